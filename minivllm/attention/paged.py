@@ -1,0 +1,149 @@
+"""Attention over a paged KV cache, in plain PyTorch (chapter 6; Triton comes in chapter 8).
+
+The cache is a pool of fixed-size blocks per layer:
+
+    k, v: [layers, num_blocks, block_size, kv_heads, head_dim]
+
+A sequence owns a *block table*, the list of physical blocks holding its tokens in order:
+token p lives in block table[p // block_size] at offset p % block_size, i.e. in *slot*
+table[p // block_size] * block_size + p % block_size of the flattened pool. Blocks need not
+be contiguous or in order, so memory is reserved one block at a time, not one max-length
+sequence at a time.
+
+A step is a flat run of T tokens from S sequences (prefill chunks and decode tokens mixed).
+`PagedBatch` describes it; `PagedAttention` stores the step's K/V into their slots, then lets
+each sequence's queries attend to its cached past through its block table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.attention.dense import attend
+from minivllm.attention.masks import chunk_mask
+from minivllm.model import Decoder
+
+
+class KVPool:
+    """The physical KV memory: `num_blocks` blocks of `block_size` token slots, per layer."""
+
+    def __init__(self, model: Decoder, num_blocks: int, block_size: int):
+        cfg = model.config
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=model.device, dtype=model.dtype)
+        self.v = torch.zeros(shape, device=model.device, dtype=model.dtype)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat pool slots of token positions start..end-1 of a sequence with this block table."""
+    # BEGIN SOLUTION
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    # END SOLUTION
+
+
+@dataclass
+class PagedBatch:
+    """One step's layout. Sequence s contributes tokens query_start[s]:query_start[s+1] of the
+    flat run; after this step its cache holds context_lens[s] tokens (past + new), found
+    through block_tables[s] (padded with -1, never read past context_lens[s])."""
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K and V are written
+    query_start: torch.Tensor  # [S + 1] int32, cumulative query_lens (cu_seqlens)
+    context_lens_tensor: torch.Tensor  # [S] int32, context_lens on the device
+
+    @classmethod
+    def build(
+        cls, tables: list[list[int]], past_lens: list[int], query_lens: list[int], block_size: int,
+        device: torch.device,
+    ) -> PagedBatch:
+        """From each sequence's block table, tokens already cached, and tokens in this step."""
+        context_lens = [p + q for p, q in zip(past_lens, query_lens)]
+        slots = [s for t, p, c in zip(tables, past_lens, context_lens) for s in slot_mapping(t, p, c, block_size)]
+        width = max(len(t) for t in tables)
+        padded = [t + [-1] * (width - len(t)) for t in tables]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            query_lens, context_lens, torch.tensor(padded, **i32),
+            torch.tensor(slots, dtype=torch.int64, device=device), torch.tensor(starts, **i32),
+            torch.tensor(context_lens, **i32),
+        )
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one new token (the common case once prompts are in)."""
+        return all(q == 1 for q in self.query_lens)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write the step's k, v [T, Hkv, D] into the pool [num_blocks, block_size, Hkv, D]."""
+    k_cache.view(-1, *k.shape[1:])[slots] = k  # the pool seen as one long row of slots
+    v_cache.view(-1, *v.shape[1:])[slots] = v
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first `context_len` cached tokens of one sequence, in order: [context_len, Hkv, D]."""
+    # BEGIN SOLUTION
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)  # ceil
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:context_len]
+    # END SOLUTION
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """One query token per sequence, all sequences at once: q [S, Hq, D] -> [S, Hq, D].
+
+    Gathers every sequence's blocks into a padded [S, L, Hkv, D] tensor (L = longest context,
+    rounded up to whole blocks) and masks the padding: simple and batched, but it copies the
+    whole context out of the pool first. The Triton kernel of chapter 8 reads it in place.
+    """
+    S, Hq, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = -(-int(context_lens.max()) // block_size)
+    tables = block_tables[:, :num_blocks].clamp(min=0).long()  # padding -1 -> block 0, masked below
+    keys = k_cache[tables].flatten(1, 2)  # [S, L, Hkv, D]
+    values = v_cache[tables].flatten(1, 2)
+    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < context_lens[:, None]  # [S, L]
+    qg = q.view(S, Hkv, Hq // Hkv, D)  # query heads grouped under their KV head
+    scores = torch.einsum("shgd,slhd->shgl", qg, keys) / D**0.5
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.einsum("shgl,slhd->shgd", probs, values).reshape(S, Hq, D)
+
+
+class PagedAttention:
+    """Chapter 6's attention: store into the pool, then attend through the block tables."""
+
+    def __init__(self, pool: KVPool, batch: PagedBatch):
+        self.pool, self.batch = pool, batch
+        if not batch.is_decode:  # built once per step, shared by all layers
+            device = pool.k.device
+            self.masks = [chunk_mask(q, c - q, device) for q, c in zip(batch.query_lens, batch.context_lens)]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache, batch = self.pool.k[layer], self.pool.v[layer], self.batch
+        store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        if batch.is_decode:
+            return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens_tensor)
+        out = torch.empty_like(q)
+        start = 0
+        for s, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            keys = gather_kv(k_cache, batch.block_tables[s], ctx)
+            values = gather_kv(v_cache, batch.block_tables[s], ctx)
+            out[start:start + q_len] = attend(q[start:start + q_len], keys, values, self.masks[s])
+            start += q_len
+        return out

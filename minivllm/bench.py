@@ -1,0 +1,214 @@
+"""The benchmark harness every chapter uses: seeded workloads, timing a stage, metrics,
+a rich table, and JSON results that record where the numbers came from.
+
+Speeds are only ever *measured* here (and in the scripts that call this), never asserted in
+tests: the machine may be shared and noisy, so compare stages side by side in one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from minivllm.model import Decoder
+from minivllm.stages.common import StageStats
+
+RESULTS_DIR = Path("benchmarks/results")
+console = Console()
+
+
+@dataclass
+class Workload:
+    """Requests as token ids with the number of tokens each must generate (EOS is ignored,
+    so every stage does the same work). `arrivals` (seconds) are for online simulations."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrivals: list[float] | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def describe(self) -> str:
+        p = [len(x) for x in self.prompts]
+        return (f"{self.name}: {len(p)} requests, prompt {min(p)}–{max(p)} tokens (mean {sum(p) / len(p):.0f}), "
+                f"output {min(self.output_lens)}–{max(self.output_lens)} (mean {self.num_output_tokens / len(p):.0f})")
+
+    def subset(self, n: int) -> Workload:
+        """The first n requests (used to extrapolate very slow stages)."""
+        arrivals = self.arrivals[:n] if self.arrivals else None
+        return Workload(f"{self.name}[:{n}]", self.prompts[:n], self.output_lens[:n], arrivals)
+
+
+# name: (requests, prompt range, output distribution). See ../shared/README.md, "Standard workloads".
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "tiny": dict(requests=8, prompt=(4, 32), output=("uniform", 1, 16)),
+    "classroom": dict(requests=32, prompt=(8, 256), output=("capped_exp", 48, 256)),
+    "long_prompt": dict(requests=8, prompt=(256, 448), output=("uniform", 8, 16)),
+    "nano": dict(requests=256, prompt=(100, 1024), output=("uniform", 100, 1024)),
+}
+
+
+def make_workload(
+    name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None, rate: float | None = None
+) -> Workload:
+    """A seeded synthetic workload of random token ids. With `rate` (requests/s), arrivals
+    follow a Poisson process; without it, every request is there at time 0."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    spec = WORKLOADS[name]
+    rng = random.Random(seed)
+    n = num_requests or spec["requests"]
+    lo, hi = spec["prompt"]
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    kind, a, b = spec["output"]
+    if kind == "uniform":
+        output_lens = [rng.randint(a, b) for _ in range(n)]
+    else:  # capped exponential with mean a, at least 1, at most b
+        output_lens = [min(b, max(1, round(rng.expovariate(1 / a)))) for _ in range(n)]
+    arrivals = None
+    if rate:
+        t, arrivals = 0.0, []
+        for _ in range(n):
+            t += rng.expovariate(rate)
+            arrivals.append(t)
+    return Workload(name, prompts, output_lens, arrivals)
+
+
+@dataclass
+class StageResult:
+    name: str
+    seconds: float
+    useful_tokens: int
+    stats: StageStats = field(default_factory=StageStats)
+    peak_gpu_bytes: int | None = None
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+    note: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.useful_tokens / self.seconds if self.seconds else math.inf
+
+    def row(self) -> dict[str, Any]:
+        """What goes into JSON (the outputs themselves are left out)."""
+        return dict(
+            name=self.name, seconds=self.seconds, useful_tokens=self.useful_tokens,
+            tokens_per_second=self.tokens_per_second, padding_waste=self.stats.padding_waste,
+            kv_utilisation=self.stats.kv_utilisation, peak_kv_tokens=self.stats.peak_kv_tokens,
+            peak_gpu_bytes=self.peak_gpu_bytes, note=self.note,
+        )
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def useful_tokens(outputs: list[list[int]], output_lens: list[int]) -> int:
+    """Requested tokens actually delivered: tokens past a request's own limit do not count."""
+    return sum(min(len(out), n) for out, n in zip(outputs, output_lens))
+
+
+def run_stage(name: str, generate: Any, model: Decoder, workload: Workload, **options: Any) -> StageResult:
+    """Time one stage's `generate` over a workload (wall clock, device synchronised)."""
+    device = model.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    stats = StageStats()
+    synchronize(device)
+    start = time.perf_counter()
+    outputs = generate(model, workload.prompts, workload.output_lens, stats=stats, **options)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return StageResult(name, seconds, useful_tokens(outputs, workload.output_lens), stats, peak, outputs)
+
+
+def environment(model: Decoder | None = None) -> dict[str, Any]:
+    """Where a number was measured: device, software versions, model shape."""
+    import transformers
+
+    info: dict[str, Any] = dict(
+        python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+        machine=platform.machine(), cpu_threads=torch.get_num_threads(),
+    )
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if model is not None:
+        info["device"] = device_name(model.device)
+        info["dtype"] = str(model.dtype).removeprefix("torch.")
+        info["model"] = asdict(model.config) | {"parameters": model.config.num_parameters()}
+    return info
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def save_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def format_tokens_per_second(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:,.1f}"
+
+
+def results_table(results: list[StageResult], title: str, baseline: str | None = None) -> Table:
+    """A rich table: throughput, speed-up over `baseline` (default: the first row), waste, KV use."""
+    base = next((r for r in results if r.name == baseline), results[0]) if results else None
+    table = Table(title=title)
+    for column in ("stage", "useful tok/s", "speed-up", "padding waste", "KV utilisation", "peak KV tokens", "note"):
+        table.add_column(column, justify="left" if column in ("stage", "note") else "right")
+    for r in results:
+        kv = r.stats.kv_utilisation
+        table.add_row(
+            r.name, format_tokens_per_second(r.tokens_per_second),
+            f"{r.tokens_per_second / base.tokens_per_second:.1f}×" if base else "",
+            f"{r.stats.padding_waste:.0%}", "—" if kv is None else f"{kv:.0%}",
+            f"{r.stats.peak_kv_tokens:,}" if r.stats.peak_kv_tokens else "—", r.note,
+        )
+    return table
+
+
+def chapter_parser(description: str) -> argparse.ArgumentParser:
+    """The command line every chapter script shares."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=None, help="checkpoint folder, hub id or config.json (default: the embedded model)")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU, bf16 on CUDA")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    return parser
+
+
+def load_for_chapter(args: argparse.Namespace) -> Decoder:
+    """Load the model named on a chapter's command line and say what was loaded."""
+    from minivllm.loader import load_model
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model = load_model(args.model, device=args.device, dtype=dtype)
+    cfg = model.config
+    console.print(f"[bold]model[/] {args.model or 'embedded default'} ({cfg.model_type}, "
+                  f"{cfg.num_parameters() / 1e6:.1f}M parameters) on {device_name(model.device)}, "
+                  f"{str(model.dtype).removeprefix('torch.')}")
+    return model

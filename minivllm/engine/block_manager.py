@@ -1,0 +1,46 @@
+"""Hands out and takes back the fixed-size blocks of the paged KV cache (chapter 6).
+
+The manager only counts blocks; each sequence keeps its own block table (a list of physical
+block ids, in logical order). Invariants the tests check: a block is either free or owned by
+exactly one table, and every block comes back when its sequence is freed.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold num_tokens tokens (a partly filled last block counts)."""
+        return -(-num_tokens // self.block_size)
+
+    def missing_blocks(self, table: list[int], num_tokens: int) -> int:
+        """How many more blocks `table` needs to hold num_tokens tokens."""
+        return max(0, self.blocks_for(num_tokens) - len(table))
+
+    def can_grow(self, table: list[int], num_tokens: int) -> bool:
+        return self.missing_blocks(table, num_tokens) <= self.num_free
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Append free blocks to `table` until it can hold num_tokens tokens."""
+        # BEGIN SOLUTION
+        needed = self.missing_blocks(table, num_tokens)
+        if needed > self.num_free:
+            raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free} free")
+        table.extend(self.free.popleft() for _ in range(needed))
+        # END SOLUTION
+
+    def release(self, table: list[int]) -> None:
+        """Give every block of `table` back and empty it."""
+        self.free.extend(table)
+        table.clear()

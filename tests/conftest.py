@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random checkpoints of each supported family, as transformers models
+and as minivllm models loaded from them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minivllm
+from tiny_models import CONFIGS, hf_greedy, tiny_hf_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", params=sorted(CONFIGS))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def hf_models() -> dict:
+    return {name: tiny_hf_model(name) for name in CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_models, family):
+    return hf_models[family]
+
+
+@pytest.fixture(scope="session")
+def model(hf_model):
+    """minivllm's Decoder with the same weights as `hf_model` (fp32, CPU)."""
+    return minivllm.load_model(hf_model, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """Greedy continuations from transformers, cached: reference(hf_model, prompt, n)."""
+    cache: dict = {}
+
+    def get(hf_model, prompt: list[int], n: int) -> list[int]:
+        key = (id(hf_model), tuple(prompt), n)
+        if key not in cache:
+            cache[key] = hf_greedy(hf_model, prompt, n)
+        return cache[key]
+
+    return get

@@ -1,0 +1,48 @@
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints that exercise every branch of model.py.
+
+Weights use a larger init std than real models so the logits are peaked: greedy ties between
+two tokens would otherwise make "same tokens as transformers" a coin toss on rounding.
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              max_position_embeddings=256, initializer_range=0.2, eos_token_id=None, bos_token_id=None)
+
+CONFIGS = {
+    # GQA 4:2, Llama 3 frequency scaling, untied head, attention bias off
+    "llama": lambda: transformers.LlamaConfig(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64)),
+    # q/k/v bias, tied head, GQA 4:1
+    "qwen2": lambda: transformers.Qwen2Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    # q/k RMSNorm, head_dim (32) wider than hidden/heads (16)
+    "qwen3": lambda: transformers.Qwen3Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+}
+
+
+def tiny_hf_model(family: str, seed: int = 0) -> transformers.PreTrainedModel:
+    torch.manual_seed(seed)
+    config = CONFIGS[family]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # transformers zero-initialises biases; random ones test that we load and add them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate for one prompt: the reference every stage must equal."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
