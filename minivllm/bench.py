@@ -12,6 +12,7 @@ import math
 import platform
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,3 +213,37 @@ def load_for_chapter(args: argparse.Namespace) -> Decoder:
                   f"{cfg.num_parameters() / 1e6:.1f}M parameters) on {device_name(model.device)}, "
                   f"{str(model.dtype).removeprefix('torch.')}")
     return model
+
+
+def time_stream(tokens: Iterator[int], device: torch.device) -> list[float]:
+    """Seconds each token of a token stream took to appear (device synchronised)."""
+    times, last = [], time.perf_counter()
+    for _ in tokens:
+        synchronize(device)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times
+
+
+def kv_size_table(configs: dict[str, Any], dtype: torch.dtype, context: int = 4096) -> Table:
+    """KV-cache bytes per token for several model shapes: 2 (K and V) x layers x kv_heads x
+    head_dim x bytes per element, per layer and for the whole model."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    table = Table(title=f"KV cache per token ({str(dtype).removeprefix('torch.')})")
+    for column in ("model", "layers × kv heads × head dim", "per layer", "per token", f"{context:,}-token context"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for name, cfg in configs.items():
+        per_token = cfg.kv_bytes_per_token(dtype)
+        table.add_row(name, f"{cfg.num_layers} × {cfg.num_kv_heads} × {cfg.head_dim}",
+                      format_bytes(2 * cfg.num_kv_heads * cfg.head_dim * element), format_bytes(per_token),
+                      format_bytes(per_token * context))
+    return table
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}".replace(".0 ", " ")
+        n /= 1024
+    raise AssertionError("unreachable")

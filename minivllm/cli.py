@@ -1,0 +1,44 @@
+"""The `minivllm` command: `minivllm tour` runs the whole ladder; see `minivllm --help`."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from minivllm.bench import WORKLOADS
+
+
+def _tour(args: argparse.Namespace) -> None:
+    from minivllm.tour import run_tour
+
+    run_tour(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+             workload=args.workload, stages=args.stages.split(",") if args.stages else None,
+             num_requests=args.requests, seed=args.seed, check=args.check, figure=args.figure)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description="A vLLM-style inference engine, one idea per chapter.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tour = commands.add_parser("tour", help="every stage on one workload: table, JSON and figures/ladder.png")
+    tour.add_argument("--model", default=None, help="checkpoint folder, hub id or config.json (default: embedded model)")
+    tour.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    tour.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    tour.add_argument("--workload", default="classroom", choices=list(WORKLOADS))
+    tour.add_argument("--stages", default=None, help="comma-separated subset of the stages (default: all)")
+    tour.add_argument("--requests", type=int, default=None, help="override the workload's number of requests")
+    tour.add_argument("--seed", type=int, default=0)
+    tour.add_argument("--check", type=int, default=4, help="requests compared with transformers' greedy tokens")
+    tour.add_argument("--figure", default=None, help="figure name under figures/ (default: ladder or ladder_cuda)")
+    tour.set_defaults(run=_tour)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    torch.set_grad_enabled(False)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Small helpers for showing text: encode a prompt (or make random ids when the checkpoint
+has no tokenizer, e.g. a config-only shape) and print a prompt with its continuation."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.text import Text
+
+console = Console()
+
+
+def encode_or_random(tokenizer: Any | None, text: str, vocab_size: int, seed: int = 0) -> list[int]:
+    if tokenizer is not None:
+        return tokenizer.encode(text)
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(8)]
+
+
+def decode(tokenizer: Any | None, ids: list[int]) -> str:
+    return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+
+
+def show_sample(tokenizer: Any | None, prompt: list[int], output: list[int], title: str = "sample") -> None:
+    """Print the prompt (dim) followed by the generated continuation (bold)."""
+    text = Text(decode(tokenizer, prompt), style="dim")
+    text.append("" if tokenizer is not None else " ")  # token ids need a separator; text does not
+    text.append(decode(tokenizer, output), style="bold green")
+    console.print(Panel(text, title=f"{title} (greedy, {len(output)} new tokens)"))

@@ -1,0 +1,159 @@
+"""`minivllm tour`: every stage of the course on one seeded workload, side by side.
+
+For each stage: useful output tokens per second, speed-up over naive decode, padding waste,
+KV utilisation, peak memory, and whether its tokens agree with transformers' greedy output on
+a sample of requests. Writes a rich table, JSON under benchmarks/results/, and a bar chart.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from minivllm import plots
+from minivllm.bench import (StageResult, Workload, console, environment, format_bytes, format_tokens_per_second,
+                            make_workload, run_stage, save_results)
+from minivllm.loader import load_model
+from minivllm.model import Decoder
+from minivllm.plots.lines import plot_bars
+from minivllm.stages import STAGES
+
+# Stages that recompute everything are run on a few requests and extrapolated when the
+# workload is large (naive decode on "nano" would take hours).
+SLOW_STAGES = {"naive": 4}
+SLOW_WORKLOAD_TOKENS = 20_000
+
+
+def to_transformers(model: Decoder) -> Any:
+    """A transformers model with exactly our weights: the reference for the agreement check."""
+    import transformers
+
+    cfg = model.config
+    kind = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **cfg.rope_scaling}
+    hf_config = kind[cfg.model_type](
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, rope_scaling=rope if cfg.rope_type != "default" else None,
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias,
+    )
+    with torch.device(model.device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=model.dtype)
+    state = {("" if name.startswith("lm_head") else "model.") + name: t for name, t in model.state_dict().items()}
+    hf.load_state_dict(state, strict=False)
+    hf.generation_config.eos_token_id = None  # like the stages: exactly the requested number of tokens
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def reference_outputs(model: Decoder, workload: Workload, sample: list[int]) -> dict[int, list[int]]:
+    """transformers' greedy tokens for the sampled requests."""
+    hf = to_transformers(model)
+    outputs = {}
+    with torch.no_grad():
+        for i in sample:
+            ids = torch.tensor([workload.prompts[i]], device=model.device)
+            n = workload.output_lens[i]
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            outputs[i] = out[0, ids.shape[1]:].tolist()
+    del hf
+    return outputs
+
+
+def agreement(result: StageResult, reference: dict[int, list[int]], offset: int = 0) -> str:
+    """'✓' when every sampled request's tokens equal transformers', else '✗ k/n'."""
+    same = sum(result.outputs[i - offset] == ref for i, ref in reference.items() if i - offset < len(result.outputs))
+    checked = sum(1 for i in reference if i - offset < len(result.outputs))
+    return "✓" if same == checked else f"✗ {same}/{checked}"
+
+
+def run_tour(
+    source: Any = None, device: str | None = None, dtype: torch.dtype | None = None, workload: str = "classroom",
+    stages: list[str] | None = None, num_requests: int | None = None, seed: int = 0, check: int = 4,
+    figure: str | None = None, results_name: str | None = None,
+) -> dict[str, Any]:
+    """Run the ladder; returns the JSON payload (also written to benchmarks/results/)."""
+    model = load_model(source, device=device, dtype=dtype)
+    stages = stages or list(STAGES)
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stages {unknown}; available: {', '.join(STAGES)}")
+    work = make_workload(workload, model.config.vocab_size, seed=seed, num_requests=num_requests)
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
+    if longest > model.config.max_position_embeddings:
+        raise ValueError(f"workload {workload!r} needs {longest} positions; the model has "
+                         f"{model.config.max_position_embeddings}")
+    console.print(f"[bold]tour[/] {work.describe()}")
+    sample = list(range(min(check, len(work.prompts))))
+    with console.status("transformers reference for the agreement check..."):
+        reference = reference_outputs(model, work, sample)
+
+    rows: list[dict[str, Any]] = []
+    with Progress(console=console) as progress:
+        task = progress.add_task("stages", total=len(stages))
+        for name in stages:
+            progress.update(task, description=f"stage {name}")
+            rows.append(_run_one(name, model, work, reference))
+            progress.advance(task)
+
+    base = next((r for r in rows if r["name"] == "naive"), rows[0])
+    for r in rows:
+        r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"]
+    env = environment(model)
+    payload = dict(environment=env, workload=dict(name=work.name, description=work.describe(), seed=seed,
+                   prompt_lens=[len(p) for p in work.prompts], output_lens=work.output_lens),
+                   kv_bytes_per_token=model.config.kv_bytes_per_token(model.dtype), rows=rows,
+                   created=time.strftime("%Y-%m-%d %H:%M:%S"))
+    _print_table(payload)
+    kind = model.device.type
+    path = save_results(results_name or f"tour_{kind}_{workload}", payload)
+    fig_path = plots.save(_ladder_figure(payload), figure or ("ladder" if kind == "cpu" else f"ladder_{kind}"))
+    console.print(f"saved {path} and {fig_path}")
+    return payload
+
+
+def _run_one(name: str, model: Decoder, work: Workload, reference: dict[int, list[int]]) -> dict[str, Any]:
+    STAGES[name](model, work.prompts[:2], [2, 2])  # warm-up: first calls pay for allocation and kernel caches
+    note = ""
+    if name in SLOW_STAGES and work.num_output_tokens > SLOW_WORKLOAD_TOKENS:
+        sampled = work.subset(SLOW_STAGES[name])
+        result = run_stage(name, STAGES[name], model, sampled)
+        note = f"ran {len(sampled.prompts)} of {len(work.prompts)} requests, rate extrapolated"
+    else:
+        result = run_stage(name, STAGES[name], model, work)
+    row = result.row() | dict(agrees=agreement(result, reference), note=note)
+    row["peak_kv_bytes"] = result.stats.peak_kv_tokens * model.config.kv_bytes_per_token(model.dtype)
+    return row
+
+
+def _print_table(payload: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    env = payload["environment"]
+    table = Table(title=f"minivllm tour — {payload['workload']['description']}\n{env['device']}, {env['dtype']}")
+    for column in ("stage", "useful tok/s", "vs naive", "padding waste", "KV util.", "peak memory", "= HF", "note"):
+        table.add_column(column, justify="left" if column in ("stage", "note") else "right")
+    for r in payload["rows"]:
+        kv = r["kv_utilisation"]
+        memory = (f"{format_bytes(r['peak_gpu_bytes'])} GPU" if r["peak_gpu_bytes"]
+                  else f"{format_bytes(r['peak_kv_bytes'])} KV" if r["peak_kv_bytes"] else "—")
+        table.add_row(r["name"], format_tokens_per_second(r["tokens_per_second"]), f"{r['speedup']:.1f}×",
+                      f"{r['padding_waste']:.0%}", "—" if kv is None else f"{kv:.0%}", memory, r["agrees"], r["note"])
+    console.print(table)
+
+
+def _ladder_figure(payload: dict[str, Any]) -> plots.Figure:
+    rows, env = payload["rows"], payload["environment"]
+    model = env["model"]
+    return plot_bars(
+        [r["name"] for r in rows], [r["tokens_per_second"] for r in rows], "useful output tokens / s (log scale)",
+        "The ladder: every stage on the same workload",
+        annotations=[f"{format_tokens_per_second(r['tokens_per_second'])}\n{r['speedup']:.1f}×"
+                     + (" *" if r["note"] else "") for r in rows],
+        logy=True, colors=["#dd6b20" if r["name"].startswith("transformers") else "#2b6cb0" for r in rows],
+        subtitle=f"{payload['workload']['description']}\n{model['model_type']} {model['parameters'] / 1e6:.1f}M params, "
+                 f"{env['device']}, {env['dtype']}" + ("   (* extrapolated from a sample)" if any(r["note"] for r in rows) else ""),
+    )
