@@ -21,3 +21,34 @@ def chunk_mask(q_len: int, past: int, device: torch.device | str | None = None) 
     # BEGIN SOLUTION
     return torch.ones(q_len, past + q_len, dtype=torch.bool, device=device).tril(diagonal=past)
     # END SOLUTION
+
+
+def padded_causal_mask(lengths: list[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """[B, L, L] for B sequences left-padded to L = max(lengths): row b starts with
+    L - lengths[b] padding slots, then its real tokens, which are causal among themselves and
+    never see the padding. A padding query sees only itself (see below)."""
+    # BEGIN SOLUTION
+    L = max(lengths)
+    pads = torch.tensor([L - n for n in lengths], device=device)
+    is_real_key = torch.arange(L, device=device)[None, :] >= pads[:, None]  # [B, L]
+    mask = causal_mask(L, device)[None] & is_real_key[:, None, :]  # [B, L, L]
+    # Why padding sees itself: a query row whose every key is hidden has softmax(all -inf) =
+    # NaN. That NaN flows through the MLP into the next layer's K and V of the padding slot,
+    # and there `probs @ v` multiplies it by the real rows' 0 probability: 0 * NaN = NaN, so
+    # every real token would turn NaN. Seeing itself keeps each row finite; we never read it.
+    return mask | torch.eye(L, dtype=torch.bool, device=device)
+    # END SOLUTION
+
+
+def block_diagonal_mask(lengths: list[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """[T, T], T = sum(lengths): sequences laid end to end in one flat run, each causal within
+    itself and blind to every other (a causal block per sequence on the diagonal)."""
+    # BEGIN SOLUTION
+    T = sum(lengths)
+    seq_id = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                     torch.tensor(lengths, device=device))  # [T]: whose token is it
+    same_sequence = seq_id[:, None] == seq_id[None, :]  # [T, T]
+    # Segments are contiguous, so "causal in the flat run" is "causal within the segment".
+    return same_sequence & causal_mask(T, device)
+    # END SOLUTION
+
