@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from minivllm.attention.dense import attend
 from minivllm.attention.masks import chunk_mask
@@ -115,14 +116,17 @@ def paged_decode(
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-int(context_lens.max()) // block_size)
     tables = block_tables[:, :num_blocks].clamp(min=0).long()  # padding -1 -> block 0, masked below
-    keys = k_cache[tables].flatten(1, 2)  # [S, L, Hkv, D]
-    values = v_cache[tables].flatten(1, 2)
-    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < context_lens[:, None]  # [S, L]
-    qg = q.view(S, Hkv, Hq // Hkv, D)  # query heads grouped under their KV head
-    scores = torch.einsum("shgd,slhd->shgl", qg, keys) / D**0.5
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.einsum("shgl,slhd->shgd", probs, values).reshape(S, Hq, D)
+    # Same as k_cache[tables], but index_select on the pool seen as one row per block is a
+    # plain copy of whole rows, several times faster than general indexing on CPU.
+    keys = k_cache.flatten(1).index_select(0, tables.flatten()).view(S, -1, Hkv, D).transpose(1, 2)  # [S, Hkv, L, D]
+    values = v_cache.flatten(1).index_select(0, tables.flatten()).view(S, -1, Hkv, D).transpose(1, 2)
+    visible = torch.arange(keys.shape[2], device=q.device)[None, :] < context_lens[:, None]  # [S, L]
+    # softmax(q k^T / sqrt(D)) v, with the G query heads that share a KV head as G query rows
+    # of that head (grouped-query attention without copying K and V). PyTorch's fused kernel
+    # is the same math as attend() in dense.py, about twice as fast as two einsums on CPU.
+    qg = q.view(S, Hkv, Hq // Hkv, D)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible[:, None, None, :])
+    return out.reshape(S, Hq, D)
 
 
 class PagedAttention:
