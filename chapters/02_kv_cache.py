@@ -17,29 +17,11 @@ import minivllm
 from minivllm import load_tokenizer, plots
 from minivllm.bench import (chapter_parser, console, environment, kv_size_table, load_for_chapter, save_results,
                             time_stream)
-from minivllm.loader import _read_config
+from minivllm.loader import read_config
 from minivllm.plots.lines import plot_series
-from minivllm.plots.masks import draw_mask
+from minivllm.plots.masks import decode_attention_picture
 from minivllm.stages import kv_cache, naive
 from minivllm.text import encode_or_random, show_sample
-
-PREFILL, DECODE_QUERY, CACHED = 1, 2, 3
-
-
-def decode_attention_picture(prompt_len: int, steps: int) -> plots.Figure:
-    """Rows computed in each forward: the prompt's causal block once, then one row per step."""
-    n = prompt_len + steps
-    grid = torch.zeros(n, n, dtype=torch.long)
-    grid[:prompt_len, :prompt_len] = PREFILL * torch.ones(prompt_len, prompt_len).tril()
-    for row in range(prompt_len, n):
-        grid[row, :row] = CACHED
-        grid[row, row] = DECODE_QUERY
-    fig, ax = plots.plt.subplots(figsize=(6, 6))
-    draw_mask(ax, grid, f"KV cache: prefill {prompt_len} tokens once, then 1 query row per step",
-              categories={0: ("not computed / future", "#f0f0f0"), PREFILL: ("prefill (one forward)", "#2b6cb0"),
-                          CACHED: ("keys read from the cache", "#90cdf4"), DECODE_QUERY: ("the step's new token", "#dd6b20")})
-    return fig
-
 
 def main() -> None:
     parser = chapter_parser(__doc__.splitlines()[1])
@@ -70,7 +52,7 @@ def main() -> None:
                   f"total {sum(naive_ms) / 1e3:.2f} s vs {sum(cached_ms) / 1e3:.2f} s "
                   f"({sum(naive_ms) / sum(cached_ms):.1f}× faster with the cache)")
 
-    shapes = {f.stem: _read_config(f) for f in sorted(minivllm.CONFIGS.glob("*.json"))}
+    shapes = {f.stem: read_config(f) for f in sorted(minivllm.CONFIGS.glob("*.json"))}
     shapes["this model"] = model.config
     console.print(kv_size_table(shapes, torch.bfloat16))
     console.print("The often-quoted '16 KB per token' for Llama-2-7B is one layer; all 32 layers need 512 KiB.")

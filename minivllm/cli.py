@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     tour.add_argument("--check", type=int, default=4, help="requests compared with transformers' greedy tokens")
     tour.add_argument("--figure", default=None, help="figure name under figures/ (default: ladder or ladder_cuda)")
     tour.set_defaults(run=_tour)
+
+    from minivllm.exercises import add_subparser as add_exercises
+
+    add_exercises(commands)  # `minivllm exercises list | make DIR`
     return parser
 
 

@@ -92,9 +92,9 @@ def load_model(source: Source = None, device: str | None = None, dtype: torch.dt
     else:
         path = _resolve(source)
         if path.is_file():  # a bare config: real shape, random weights
-            config, state = _read_config(path), None
+            config, state = read_config(path), None
         else:
-            config, state = _read_config(path / "config.json"), _read_weights(path)
+            config, state = read_config(path / "config.json"), _read_weights(path)
             config.eos_token_ids = _generation_eos(path) or config.eos_token_ids
     with torch.device(device):
         model = Decoder(config)
@@ -133,7 +133,8 @@ def _resolve(source: str | Path) -> Path:
     raise FileNotFoundError(f"model path not found: {str(path)!r}")
 
 
-def _read_config(path: Path) -> ModelConfig:
+def read_config(path: Path) -> ModelConfig:
+    """Our ModelConfig from a config.json (a checkpoint's, or a bare one naming a real shape)."""
     from transformers import AutoConfig
 
     if not path.exists():

@@ -67,9 +67,9 @@ def test_config_fields_follow_the_family(model, family):
 )
 def test_kv_bytes_per_token_of_real_shapes(name, dtype, kib):
     """Published figures (../shared/README.md): 2 x layers x kv_heads x head_dim x bytes."""
-    from minivllm.loader import _read_config
+    from minivllm.loader import read_config
 
-    assert _read_config(minivllm.CONFIGS / f"{name}.json").kv_bytes_per_token(dtype) == kib * 1024
+    assert read_config(minivllm.CONFIGS / f"{name}.json").kv_bytes_per_token(dtype) == kib * 1024
 
 
 def test_config_json_gives_random_weights_of_the_real_shape(tmp_path):

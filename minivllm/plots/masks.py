@@ -52,3 +52,19 @@ def plot_mask(grid: torch.Tensor, title: str, **kwargs) -> plt.Figure:
     fig, ax = plt.subplots(figsize=(min(10, 2 + cols * 0.22), min(10, 1.5 + rows * 0.22)))
     draw_mask(ax, grid, title, **kwargs)
     return fig
+
+
+def decode_attention_picture(prompt_len: int, steps: int) -> plt.Figure:
+    """Rows computed in each forward: the prompt's causal block once, then one row per step."""
+    PREFILL, CACHED, DECODE_QUERY = 1, 2, 3
+    n = prompt_len + steps
+    grid = torch.zeros(n, n, dtype=torch.long)
+    grid[:prompt_len, :prompt_len] = PREFILL * torch.ones(prompt_len, prompt_len).tril()
+    for row in range(prompt_len, n):
+        grid[row, :row] = CACHED
+        grid[row, row] = DECODE_QUERY
+    fig, ax = plt.subplots(figsize=(6, 6))
+    draw_mask(ax, grid, f"KV cache: prefill {prompt_len} tokens once, then 1 query row per step",
+              categories={0: ("not computed / future", "#f0f0f0"), PREFILL: ("prefill (one forward)", "#2b6cb0"),
+                          CACHED: ("keys read from the cache", "#90cdf4"), DECODE_QUERY: ("the step's new token", "#dd6b20")})
+    return fig

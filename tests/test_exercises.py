@@ -1,0 +1,158 @@
+"""The classroom exercises: the registry agrees with the source, stubs are right, and a student
+copy of the repository really fails its chapters' checks (while this copy passes them)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from minivllm import exercises
+from minivllm.exercises import EXERCISES, NOTEBOOKS, Exercise, find_regions, make_student_copy, stub_source
+
+ROOT = exercises.PROJECT_ROOT
+# In a student copy the solutions are gone: the checks that need them have nothing to check.
+solutions = pytest.mark.skipif(not exercises.package_regions(), reason="a student copy: no solution regions")
+
+
+@solutions
+def test_every_region_is_registered_and_every_exercise_has_one_region():
+    found = Counter((module, r.qualname) for module, regions in exercises.package_regions().items() for r in regions)
+    registered = Counter((ex.module, ex.qualname) for ex in EXERCISES)
+    unregistered = sorted(f"{m}.{q}" for m, q in found if (m, q) not in registered)
+    assert not unregistered, f"solution regions missing from exercises.EXERCISES: {unregistered}"
+    wrong = {f"{m}.{q}": found[m, q] for m, q in registered if found[m, q] != 1}
+    assert not wrong, f"registered exercises must have exactly one region each; found (0 = none): {wrong}"
+    duplicates = [key for key, n in registered.items() if n > 1]
+    assert not duplicates, f"exercises registered twice: {duplicates}"
+
+
+def test_registry_entries_are_well_formed():
+    for ex in EXERCISES:
+        assert ex.chapter in NOTEBOOKS, ex
+        assert (ROOT / ex.path).is_file(), f"{ex.label}: no file {ex.path}"
+        assert ex.section.startswith(f"Exercise {int(ex.chapter[2:])}."), f"{ex.label}: section {ex.section!r}"
+        assert ex.description and "\n" not in ex.description
+    assert sorted({ex.chapter for ex in EXERCISES}) == sorted(NOTEBOOKS), "every chapter has exercises"
+
+
+SAMPLE = '''\
+def double(x):
+    """Twice x."""
+    # BEGIN SOLUTION
+    y = x + x
+    return y
+    # END SOLUTION
+
+
+class Pool:
+    def take(self, n):
+        if n:
+            # BEGIN SOLUTION
+            return n - 1
+            # END SOLUTION
+        return None
+'''
+SAMPLE_EXERCISES = {
+    "double": Exercise("ch01", "sample", "double", "Exercise 1.9: doubling", "return twice x"),
+    "Pool.take": Exercise("ch06", "sample", "Pool.take", "Exercise 6.9: taking", "take one"),
+}
+
+
+def test_find_regions_names_the_enclosing_function():
+    regions = find_regions(SAMPLE)
+    assert [(r.qualname, r.begin, r.end, r.indent) for r in regions] == [
+        ("double", 3, 6, " " * 4), ("Pool.take", 12, 14, " " * 12)]
+
+
+def test_stub_keeps_signature_and_docstring_and_raises_with_the_exercise_name():
+    stubbed = stub_source(SAMPLE, SAMPLE_EXERCISES)
+    assert "x + x" not in stubbed and "n - 1" not in stubbed and "SOLUTION" not in stubbed
+    assert '    """Twice x."""\n    # YOUR CODE HERE' in stubbed
+    assert "\n            raise NotImplementedError(" in stubbed  # the region's own indentation
+    namespace: dict = {}
+    exec(compile(stubbed, "sample", "exec"), namespace)
+    with pytest.raises(NotImplementedError, match=r"Exercise ch01 double: return twice x — see "
+                                                  r"notebooks/01_naive_decode.ipynb, section 'Exercise 1.9: doubling'"):
+        namespace["double"](2)
+    with pytest.raises(NotImplementedError, match="ch06 Pool.take"):
+        namespace["Pool"]().take(3)
+    assert namespace["Pool"]().take(0) is None  # code outside the region is untouched
+
+
+def test_only_the_given_exercises_are_stubbed():
+    stubbed = stub_source(SAMPLE, {"double": SAMPLE_EXERCISES["double"]})
+    assert "n - 1" in stubbed and "x + x" not in stubbed
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def f():\n    # BEGIN SOLUTION\n    return 1\n", "never closed"),
+    ("def f():\n    return 1\n    # END SOLUTION\n", "without a"),
+    ("# BEGIN SOLUTION\nX = 1\n# END SOLUTION\n", "inside a function"),
+    ("def f():\n    # BEGIN SOLUTION\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n", "inside the region"),
+])
+def test_malformed_regions_are_reported(source, message):
+    with pytest.raises(ValueError, match=message):
+        find_regions(source)
+
+
+def test_make_refuses_the_repository_and_non_empty_folders(tmp_path):
+    with pytest.raises(ValueError, match="repository"):
+        make_student_copy(ROOT)
+    with pytest.raises(ValueError, match="repository"):
+        make_student_copy(ROOT.parent)
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not an empty folder"):
+        make_student_copy(tmp_path)
+    with pytest.raises(ValueError, match="unknown chapters"):
+        make_student_copy(tmp_path / "new", chapters=["ch9"])
+
+
+def test_exercises_list_prints_every_exercise(capsys, monkeypatch):
+    from minivllm.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps long names in a narrow terminal
+
+    main(["exercises", "list"])
+    out = capsys.readouterr().out
+    for ex in EXERCISES:
+        assert ex.qualname in out and ex.section in out
+
+
+CHEAP_CHAPTERS = ["ch01", "ch02"]
+
+
+@solutions
+def test_student_copy_fails_its_chapter_checks(tmp_path):
+    """Generate the student copy and run chapters 1 and 2's checks inside it: they must fail,
+    on the stubs (the main suite runs the same checks on the solution, where they pass)."""
+    copy = tmp_path / "student"
+    stubbed = make_student_copy(copy)
+    assert {ex.label for ex in stubbed} == {ex.label for ex in EXERCISES}
+    for ex in EXERCISES:
+        source = (copy / ex.path).read_text()
+        assert "BEGIN SOLUTION" not in source and f"Exercise {ex.label}:" in source, ex.label
+    assert (copy / "tests" / "test_exercises.py").is_file() and (copy / "pyproject.toml").is_file()
+    assert not (copy / ".git").exists()
+
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    marker = " or ".join(CHEAP_CHAPTERS)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider"],
+                            cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, f"the student copy's {marker} checks should fail:\n{out[-3000:]}"
+    for ex in EXERCISES:
+        if ex.chapter in CHEAP_CHAPTERS:
+            assert f"NotImplementedError: Exercise {ex.label}:" in out, f"no check reached {ex.label}:\n{out[-3000:]}"
+
+
+@solutions
+def test_student_copy_of_one_chapter_keeps_the_others(tmp_path):
+    copy = tmp_path / "student"
+    make_student_copy(copy, chapters=["ch04"])
+    masks = (copy / "minivllm/attention/masks.py").read_text()
+    assert "Exercise ch04 block_diagonal_mask" in masks and "Exercise ch01" not in masks
+    assert "# BEGIN SOLUTION" in masks  # chapter 1's solution is still there, markers included
