@@ -8,7 +8,7 @@ import torch
 import minivllm
 from tiny_models import CONFIGS, hf_greedy, tiny_hf_model
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models gain nothing from a second thread; a shared machine loses a lot
 
 
 @pytest.fixture(scope="session", params=sorted(CONFIGS))

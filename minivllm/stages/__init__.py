@@ -5,11 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from minivllm.stages import kv_cache, naive
+from minivllm.stages import chunked_prefill, continuous, kv_cache, naive, paged, ragged_batch, static_batch, triton
 
 Generate = Callable[..., list[list[int]]]
 
 STAGES: dict[str, Generate] = {
     "naive": naive.generate,
     "kv_cache": kv_cache.generate,
+    "static_batch": static_batch.generate,
+    "ragged_batch": ragged_batch.generate,
+    "chunked_prefill": chunked_prefill.generate,
+    "paged": paged.generate,
+    "continuous": continuous.generate,
+    "triton": triton.generate,
 }

@@ -1,0 +1,117 @@
+"""Iteration-level scheduling: every step, decide which tokens of which requests run (chapter 7).
+
+This is continuous batching. There is no "prefill phase" and "decode phase": each request
+simply has `num_tokens` it knows and `num_computed_tokens` already in the KV cache, and every
+step the scheduler hands out at most `max_num_batched_tokens` tokens so the second counter can
+catch up with the first (the design of vLLM V1's scheduler):
+
+1. Running requests go first, oldest first. A decoding request needs 1 token; one still in
+   its prompt gets the next chunk that fits in the budget.
+2. If a running request needs a new KV block and none is free, the *newest* running request
+   is preempted: its blocks are freed and it goes back to the front of the queue, to be
+   recomputed from scratch later (its tokens so far are kept, so nothing is lost but work).
+3. Whatever budget is left admits waiting requests, first come first served, each with as
+   much of its prompt as fits (chunked prefill), up to `max_num_seqs` running at once. A
+   newcomer must fit *all* of its prompt, and leave one free block per running request so
+   that they can grow: admitting a request that its own next chunk, or the next block
+   boundary of another, would preempt again only wastes work (a tight pool then "thrashes":
+   admit, recompute, preempt, every other step).
+
+Finished requests leave the batch the step they finish; new ones join the step they arrive.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: seqs[i] computes its next num_new_tokens[i] tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in the order they were admitted: the last is the newest
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step under the token budget, preempting when KV blocks run out."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # BEGIN SOLUTION
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                victim = self.running[-1]  # the newest running request gives its blocks back
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:  # it just preempted itself
+                break
+            self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n)
+            out.add(seq, n)
+            budget -= n
+            i += 1
+        # Admit waiting requests with the budget left, in arrival order. After a preemption
+        # memory is short, so nobody new comes in this step (the preempted one is first in line).
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            needed = self.block_manager.missing_blocks(seq.block_table, seq.num_tokens)  # the whole prompt
+            if needed + len(self.running) > self.block_manager.num_free:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.add(seq, n)
+            budget -= n
+        # END SOLUTION
+        return out
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute-preemption: free the KV cache of a running request and requeue it first."""
+        self.running.remove(seq)
+        self.block_manager.release(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a request out for good (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.release(seq.block_table)
+        seq.status = Status.FINISHED

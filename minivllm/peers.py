@@ -1,0 +1,68 @@
+"""What a user would otherwise reach for: transformers' own batched generation, run on the same
+prompts and output lengths as minivllm, for side-by-side benchmarks (chapter 7, the tour).
+
+Both runners are greedy and ignore EOS, like the stages, and return each request's own
+tokens (exactly output_lens[i] of them), so outputs can be checked against minivllm's.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _greedy_config(hf_model: Any, max_new_tokens: int) -> Any:
+    """A GenerationConfig that is greedy and never stops early (no EOS)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=None, pad_token_id=0, bos_token_id=None)
+
+
+@torch.inference_mode()
+def hf_static_generate(hf_model: Any, prompts: list[list[int]], output_lens: list[int], batch_size: int = 16) -> list[list[int]]:
+    """Static batching, as `model.generate` does it: consecutive batches of `batch_size`
+    prompts, left-padded to the batch's longest prompt, each batch run for its longest output.
+    Rows keep computing after their own request is done; only their own tokens are returned."""
+    device = hf_model.device
+    outputs: list[list[int]] = []
+    for b in range(0, len(prompts), batch_size):
+        batch, lens = prompts[b:b + batch_size], output_lens[b:b + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, generation_config=_greedy_config(hf_model, max(lens)))
+        outputs += [row[width:width + n].tolist() for row, n in zip(out, lens)]
+    return outputs
+
+
+@torch.no_grad()  # not inference_mode: the manager's thread updates tensors created here in place
+def hf_generate_batch(
+    hf_model: Any, prompts: list[list[int]], output_lens: list[int], max_batch_tokens: int = 2048
+) -> list[list[int]]:
+    """transformers' continuous batching (transformers >= 5). `generate_batch` takes one
+    max_new_tokens for all requests, so we drive the manager it wraps ourselves and give each
+    request its own length: the same work minivllm does, not the longest output for all.
+
+    The cache is sized explicitly to hold every request at once: on CPU without psutil,
+    transformers would otherwise size it from the machine's whole memory (slow to allocate)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = ContinuousBatchingConfig().page_size  # tokens per block
+    blocks = sum(-(-(len(p) + n) // page) for p, n in zip(prompts, output_lens))
+    cb_config = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=max_batch_tokens)
+    config = _greedy_config(hf_model, max(output_lens))
+    results: dict[str, list[int]] = {}
+    with hf_model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
+                                                     block=True, timeout=5) as manager:
+        ids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, eos_token_id=-1)
+               for i, (p, n) in enumerate(zip(prompts, output_lens))]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
+                continue
+            if result.is_finished():
+                results[result.request_id] = list(result.generated_tokens)
+    return [results[i][:n] for i, n in zip(ids, output_lens)]

@@ -1,0 +1,45 @@
+"""Chapter 7 — continuous batching: the finished engine, used as a stage of the ladder.
+
+Chapter 6 still ran requests in groups: a newcomer waited until the whole group was done,
+and a request that finished early left its seat empty. Here the scheduler decides every
+step (engine/scheduler.py): finished requests leave at once, waiting ones join at once with
+as much of their prompt as the token budget allows, and when KV blocks run out the newest
+request is preempted and recomputed later. The stage is a thin wrapper: greedy, ignore EOS,
+through `LLM`, exactly as a user would call it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from minivllm.engine.llm import LLM
+from minivllm.engine.sampler import SamplingParams
+from minivllm.engine.trace import Trace
+from minivllm.model import Decoder
+from minivllm.stages.common import StageStats, prepare
+
+
+def generate(
+    model: Decoder, prompts: list[list[int]], max_new_tokens: int | list[int], stats: StageStats | None = None,
+    attention: str = "torch", **engine_options: Any,
+) -> list[list[int]]:
+    """Greedy continuations through the engine. engine_options go to LLM (block_size,
+    num_kv_blocks, max_num_batched_tokens, max_num_seqs, ...); attention picks "torch" or
+    "triton" paged attention."""
+    lengths = prepare(model, prompts, max_new_tokens)
+    todo = [i for i, n in enumerate(lengths) if n > 0]  # a request for 0 tokens needs no engine
+    outputs: list[list[int]] = [[] for _ in prompts]
+    if not todo:
+        return outputs
+    llm = LLM(model, attention=attention, **engine_options)
+    if stats is not None:
+        llm.trace = Trace()
+    params = [SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True) for i in todo]
+    results = llm.generate([prompts[i] for i in todo], params, use_tqdm=False)
+    for i, result in zip(todo, results):
+        outputs[i] = result.outputs[0].token_ids
+    if stats is not None:
+        for step in llm.trace.steps:
+            stats.token_slots += step.num_tokens
+            stats.wasted_slots += step.recomputed  # work thrown away by preemptions, done again
+            stats.record_kv(used=step.kv_tokens, reserved=step.kv_reserved_tokens)
+    return outputs
