@@ -1,0 +1,396 @@
+"""Chapter 8 — paged attention in Triton: read the KV pool in place, at the speed of memory.
+
+    python chapters/08_triton_kernel.py [--device cpu|cuda] [--e2e-requests N] [--skip-flex] [--model SRC]
+
+(--model is the engine benchmark's model; default: Qwen3-0.6B's shape with random weights.)
+
+1. Narrate: what a decode step reads, and how the kernels split the work (figures/08_paged_tiles.png).
+2. Check: the Triton kernels against chapter 6's PyTorch paged attention and a float64
+   reference (on the CPU in Triton's interpreter: TRITON_INTERPRET=1 is set for you).
+3. Benchmark (CUDA only): decode attention time and achieved bandwidth against context length
+   and batch size, for the Triton kernel, the PyTorch paged path, padded
+   scaled_dot_product_attention and FlexAttention, with the measured copy bandwidth as the
+   ceiling (figures/08_decode_vs_context.png, 08_decode_vs_batch.png); a small sweep of the
+   kernel's tile sizes; and end-to-end engine throughput with attention="torch" vs "triton"
+   (figures/08_engine_throughput.png). Results: benchmarks/results/08_triton_kernel.json.
+
+Head layout: Qwen3-0.6B's (16 query heads, 8 KV heads, head_dim 128), bf16 on the GPU.
+"""
+from __future__ import annotations
+
+import os
+import random
+from statistics import median
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.bench import chapter_parser, console
+
+HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B (minivllm/configs/qwen3-0.6b.json)
+BLOCK_SIZE = 16
+CONTEXTS = [256, 512, 1024, 2048, 4096, 8192]  # swept at batch 64
+BATCHES = [1, 4, 16, 64, 128]  # swept at context 4,096
+TARGET = (64, 4096)  # the goal: >= 70 % of copy bandwidth at batch 64 x 4,096 tokens
+
+
+# ------------------------------------------------------------------------------------------
+# A paged KV pool with one decode step's worth of sequences, blocks scattered at random
+# ------------------------------------------------------------------------------------------
+
+
+def make_decode_problem(context_lens: list[int], device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
+    """q [S, Hq, D] and a one-layer pool [num_blocks, BLOCK_SIZE, Hkv, D] holding each
+    sequence's context in randomly placed blocks, with their block tables."""
+    needed = [-(-c // BLOCK_SIZE) for c in context_lens]
+    num_blocks = sum(needed)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, start = [], 0
+    for n in needed:
+        tables.append(order[start:start + n] + [-1] * (max(needed) - n))
+        start += n
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    on_device = dict(generator=torch.Generator(device).manual_seed(seed), device=device, dtype=dtype)
+    return dict(
+        q=torch.randn(len(context_lens), HEADS, HEAD_DIM, **on_device),
+        k_cache=torch.randn(shape, **on_device),
+        v_cache=torch.randn(shape, **on_device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+    )
+
+
+def one_layer_pool(num_blocks: int, device: torch.device, dtype: torch.dtype) -> Any:
+    """A one-layer KVPool of BLOCK_SIZE-token blocks with the same random contents each call
+    (KVPool only reads the model's shape, device and dtype, so a stand-in does)."""
+    from minivllm.attention.paged import KVPool
+
+    shape = SimpleNamespace(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    pool = KVPool(SimpleNamespace(config=shape, device=device, dtype=dtype), num_blocks, BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(1)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=generator))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=generator))
+    return pool
+
+
+def reference_decode(problem: dict[str, Any]) -> torch.Tensor:
+    """Float64 decode attention, one sequence at a time, reading the pool through the tables."""
+    from minivllm.attention.paged import gather_kv
+
+    q = problem["q"].double()
+    out = torch.empty_like(q)
+    for s, ctx in enumerate(problem["context_lens"].tolist()):
+        keys = gather_kv(problem["k_cache"], problem["block_tables"][s], ctx).double()
+        values = gather_kv(problem["v_cache"], problem["block_tables"][s], ctx).double()
+        keys, values = (x.repeat_interleave(HEADS // KV_HEADS, dim=1) for x in (keys, values))
+        scores = torch.einsum("hd,chd->hc", q[s], keys) / HEAD_DIM**0.5
+        out[s] = torch.einsum("hc,chd->hd", scores.softmax(-1), values)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# 1. Narrate
+# ------------------------------------------------------------------------------------------
+
+
+def narrate(dtype: torch.dtype) -> None:
+    from minivllm import plots
+    from minivllm.bench import format_bytes
+    from minivllm.plots.kernels import plot_paged_tiles
+
+    element = torch.tensor([], dtype=dtype).element_size()
+    batch, context = TARGET
+    per_token = 2 * KV_HEADS * HEAD_DIM * element
+    step_bytes = batch * context * per_token
+    console.rule("[bold]1. What decode attention reads")
+    console.print(
+        f"Qwen3-0.6B's layout: {HEADS} query heads share {KV_HEADS} KV heads of {HEAD_DIM} dims. One layer's K and V "
+        f"take {format_bytes(per_token)} per token ({str(dtype).removeprefix('torch.')}), so a decode step at batch "
+        f"{batch} × {context:,} tokens reads {format_bytes(step_bytes)} per layer. Each K/V element feeds "
+        f"{HEADS // KV_HEADS} query heads: about {2 * HEADS // KV_HEADS / element:.0f} FLOP per byte, far below the "
+        f"~300 FLOP/byte where an H100 stops waiting for memory. Decode attention is a memory read; its speed limit "
+        f"is the copy bandwidth of the GPU.")
+    console.print(
+        "Chapter 6's PyTorch path gathers every sequence's blocks into a padded copy and then attends to the copy: it "
+        "reads the context, writes it again, and reads it back (plus scores and probabilities) — three or more passes "
+        "over the bytes that matter. The Triton kernel follows the block table itself and reads each byte once.")
+    partitions = -(-context // 512)
+    console.print(
+        f"Decode kernel grid: (sequence, KV head, partition). At batch {batch}, {KV_HEADS} KV heads and "
+        f"{context:,}-token contexts split into {partitions} partitions of 512 tokens, that is "
+        f"{batch * KV_HEADS * partitions:,} programs; each reads its 512 tokens in tiles of 64, keeps a running "
+        f"softmax (max, sum, weighted V) for its {HEADS // KV_HEADS} query heads, and a second kernel merges the "
+        f"{partitions} partial results of each head (the merge is the chapter's exercise: merge_partials).")
+    table = random.Random(0).sample(range(14), 11)
+    fig = plot_paged_tiles(table, context_len=83, block_size=8, num_blocks=14, block_n=16, partition_size=32)
+    console.print(f"saved {plots.save(fig, '08_paged_tiles')}")
+
+
+# ------------------------------------------------------------------------------------------
+# 2. Check against PyTorch
+# ------------------------------------------------------------------------------------------
+
+
+def check(kernels: Any, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Max abs errors of the decode and prefill kernels against PyTorch and float64."""
+    from minivllm.attention.paged import PagedAttention, PagedBatch, paged_decode
+    from minivllm.attention.triton_paged import TritonPagedAttention
+
+    console.rule("[bold]2. Check against PyTorch")
+    on_gpu = device.type == "cuda"
+    # The interpreter runs every program in Python: tiny on the CPU, realistic on the GPU.
+    contexts = [1, 17, 300, 4096, 1500, 2049, 64, 777] if on_gpu else [1, 17, 300]
+    problem = make_decode_problem(contexts, device, dtype)
+    args = [problem[n] for n in ("q", "k_cache", "v_cache", "block_tables", "context_lens")]
+    got = kernels.paged_decode(*args, max(contexts))
+    expected = reference_decode(problem)
+    errors = dict(decode_vs_torch=(got - paged_decode(*args)).abs().max().item(),
+                  decode_vs_float64=(got.double() - expected).abs().max().item(),
+                  torch_paged_vs_float64=(paged_decode(*args).double() - expected).abs().max().item())
+
+    # A mixed step through both attention classes: prompt chunks after cached pasts, decodes.
+    past_lens, query_lens = ([0, 700, 33, 2000], [513, 1, 200, 1]) if on_gpu else ([0, 9, 40], [21, 1, 13])
+    tables, num_blocks = [], 0
+    for p, q_len in zip(past_lens, query_lens):
+        n = -(-(p + q_len) // BLOCK_SIZE)
+        tables.append(list(range(num_blocks, num_blocks + n))[::-1])  # each sequence's blocks in reverse
+        num_blocks += n
+    batch = PagedBatch.build(tables, past_lens, query_lens, BLOCK_SIZE, device)
+    torch_pool, triton_pool = (one_layer_pool(num_blocks, device, dtype) for _ in range(2))
+    T = sum(query_lens)
+    q, k, v = (torch.randn(T, h, HEAD_DIM, device=device).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    expected_step = PagedAttention(torch_pool, batch)(0, q, k, v)
+    got_step = TritonPagedAttention(triton_pool, batch)(0, q, k, v)
+    errors["prefill_step_vs_torch"] = (got_step - expected_step).abs().max().item()
+    errors["store_kv_vs_torch"] = max((triton_pool.k - torch_pool.k).abs().max().item(),
+                                      (triton_pool.v - torch_pool.v).abs().max().item())
+
+    tolerance = 3e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    for name, error in errors.items():
+        console.print(f"  {name:<24} max |error| = {error:.2e}")
+    bad = {n: e for n, e in errors.items() if e > tolerance and n != "torch_paged_vs_float64"}
+    if bad:
+        raise SystemExit(f"the Triton kernels disagree with PyTorch beyond {tolerance}: {bad}; not benchmarking")
+    console.print(f"[green]kernels agree with PyTorch (tolerance {tolerance})")
+    return errors
+
+
+# ------------------------------------------------------------------------------------------
+# 3. Benchmark (CUDA)
+# ------------------------------------------------------------------------------------------
+
+
+def cuda_seconds(fn: Callable[[], Any], warmup: int = 10, iters: int = 40) -> float:
+    """Median seconds per call, timed with CUDA events. The L2 cache (50 MB on an H100) is
+    flushed before each call, so small problems are not served from cache."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    events = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return median(s.elapsed_time(e) for s, e in events) / 1e3
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = cuda_seconds(lambda: dst.copy_(src))
+    return 2 * src.numel() / seconds / 1e9
+
+
+def decode_methods(kernels: Any, problem: dict[str, Any], max_context: int, skip_flex: bool) -> dict[str, Callable]:
+    """The decode attentions to time on one problem, as zero-argument callables."""
+    from minivllm.attention.paged import gather_kv, paged_decode
+
+    args = [problem[n] for n in ("q", "k_cache", "v_cache", "block_tables", "context_lens")]
+    methods: dict[str, Callable] = {
+        "triton (paged, in place)": lambda: kernels.paged_decode(*args, max_context),
+        "PyTorch paged (gather, then attend)": lambda: paged_decode(*args),
+    }
+    # The dense baselines get their K/V already gathered and padded to [S, Hkv, L, D] (not
+    # timed): the best case for them, as if the cache were one contiguous tensor per sequence.
+    def dense(cache: torch.Tensor) -> torch.Tensor:
+        rows = [gather_kv(cache, table, max_context) for table in problem["block_tables"]]
+        return torch.stack(rows).transpose(1, 2).contiguous()
+
+    dense_k, dense_v = dense(problem["k_cache"]), dense(problem["v_cache"])
+    q4 = problem["q"][:, :, None, :]  # [S, Hq, 1, D]
+    sdpa = F.scaled_dot_product_attention
+    try:
+        sdpa(q4, dense_k, dense_v, enable_gqa=True)
+        methods["SDPA (pre-padded dense K/V)"] = lambda: sdpa(q4, dense_k, dense_v, enable_gqa=True)
+    except TypeError:  # torch < 2.5: no enable_gqa; repeat the KV heads (also not timed)
+        group = HEADS // KV_HEADS
+        rk, rv = dense_k.repeat_interleave(group, 1), dense_v.repeat_interleave(group, 1)
+        methods["SDPA (pre-padded dense K/V)"] = lambda: sdpa(q4, rk, rv)
+    if not skip_flex:
+        flex = compiled_flex_attention()
+        if flex is not None:
+            methods["FlexAttention (pre-padded dense K/V)"] = lambda: flex(q4, dense_k, dense_v, enable_gqa=True)
+    return methods
+
+
+_FLEX: list = []
+
+
+def compiled_flex_attention() -> Callable | None:
+    """torch.compile(flex_attention) where this PyTorch has it (2.5+), else None."""
+    if not _FLEX:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            _FLEX.append(torch.compile(flex_attention))  # recompiles as shapes change, then goes dynamic
+        except (ImportError, RuntimeError) as error:
+            console.print(f"[yellow]FlexAttention unavailable: {error}")
+            _FLEX.append(None)
+    return _FLEX[0]
+
+
+def decode_sweep(kernels: Any, device: torch.device, dtype: torch.dtype, points: list[tuple[int, int]],
+                 skip_flex: bool) -> dict[str, dict[str, list[float | None]]]:
+    """Seconds and GB/s of every method at each (batch, context) point. Bytes counted are the
+    ones a decode step must move: the real context's K and V, plus q and the output."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    seconds: dict[str, list[float | None]] = {}
+    bandwidth: dict[str, list[float | None]] = {}
+    for i, (batch, context) in enumerate(points):
+        problem = make_decode_problem([context] * batch, device, dtype, seed=i)
+        useful = (2 * batch * context * KV_HEADS + 2 * batch * HEADS) * HEAD_DIM * element
+        for name, fn in decode_methods(kernels, problem, context, skip_flex).items():
+            try:
+                t = cuda_seconds(fn)
+            except Exception as error:  # e.g. out of memory, or a compile failure in a baseline
+                console.print(f"[yellow]{name} at batch {batch} × {context}: {type(error).__name__}: {error}")
+                t = None
+            seconds.setdefault(name, [None] * i).append(t)
+            bandwidth.setdefault(name, [None] * i).append(useful / t / 1e9 if t else None)
+        console.print(f"  batch {batch:>4} × {context:>6,} tokens: " + ", ".join(
+            f"{n.split(' (')[0]} {seconds[n][-1] * 1e6:,.0f} µs" for n in seconds if seconds[n][-1]))
+        del problem
+        torch.cuda.empty_cache()
+    return dict(seconds=seconds, bandwidth=bandwidth)
+
+
+def tile_sweep(kernels: Any, device: torch.device, dtype: torch.dtype, copy_gbs: float) -> list[dict[str, Any]]:
+    """The decode kernel's tile sizes at the target shape: what the defaults leave on the table."""
+    batch, context = TARGET
+    problem = make_decode_problem([context] * batch, device, dtype)
+    args = [problem[n] for n in ("q", "k_cache", "v_cache", "block_tables", "context_lens")]
+    useful = (2 * batch * context * KV_HEADS + 2 * batch * HEADS) * HEAD_DIM * torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for partition_size in (256, 512, 1024):
+        for block_n in (32, 64, 128):
+            for num_warps in (4, 8):
+                config = dict(partition_size=partition_size, block_n=block_n, num_warps=num_warps)
+                t = cuda_seconds(lambda: kernels.paged_decode(*args, context, **config))
+                rows.append(config | dict(seconds=t, gbs=useful / t / 1e9, of_copy=useful / t / 1e9 / copy_gbs))
+    best = max(rows, key=lambda r: r["gbs"])
+    console.print(f"  best tiles at batch {batch} × {context:,}: partition {best['partition_size']}, BLOCK_N "
+                  f"{best['block_n']}, {best['num_warps']} warps: {best['gbs']:,.0f} GB/s = {best['of_copy']:.0%} of copy")
+    return rows
+
+
+def engine_throughput(args: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The continuous engine on a nano-style workload, attention="torch" vs "triton"."""
+    from minivllm import plots
+    from minivllm.bench import make_workload, results_table, run_stage
+    from minivllm.loader import CONFIGS, load_model
+    from minivllm.plots.lines import plot_bars
+    from minivllm.stages import continuous
+    from minivllm.stages import triton as triton_stage
+
+    source = args.model or CONFIGS / "qwen3-0.6b.json"
+    model = load_model(source, device=str(device), dtype=dtype)
+    workload = make_workload("nano", model.config.vocab_size, args.seed, num_requests=args.e2e_requests)
+    console.print(f"  {source} on {device}, {str(dtype).removeprefix('torch.')}; {workload.describe()}")
+    warm = make_workload("tiny", model.config.vocab_size, args.seed)  # compiles the kernels first
+    stages = {"torch": (continuous.generate, dict(attention="torch")), "triton": (triton_stage.generate, {})}
+    results = []
+    for name, (generate, options) in stages.items():
+        generate(model, warm.prompts, warm.output_lens, **options)
+        results.append(run_stage(name, generate, model, workload, **options))
+    console.print(results_table(results, "Engine throughput by attention backend"))
+    same = sum(a == b for a, b in zip(results[0].outputs, results[1].outputs))
+    console.print(f"  identical greedy outputs: {same} of {len(workload.prompts)} requests"
+                  + ("" if dtype == torch.float32 else " (the two attentions round differently in 16-bit floats and "
+                     "random weights make near-ties common, so some requests may drift apart)"))
+    fig = plot_bars([f"attention={r.name!r}" for r in results], [r.tokens_per_second for r in results],
+                    "useful output tok/s", "Engine throughput: PyTorch vs Triton paged attention",
+                    [f"{r.tokens_per_second:,.0f} tok/s" for r in results], subtitle=workload.describe())
+    console.print(f"saved {plots.save(fig, '08_engine_throughput')}")
+    return dict(workload=workload.describe(), model=str(source), results=[r.row() for r in results],
+                identical_outputs=same)
+
+
+def benchmark(kernels: Any, args: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    from minivllm import plots
+    from minivllm.bench import device_name
+    from minivllm.plots.kernels import plot_bandwidth
+
+    console.rule("[bold]3. Benchmark")
+    copy_gbs = copy_bandwidth(device)
+    gpu = device_name(device)
+    console.print(f"  copy bandwidth on {gpu}: {copy_gbs:,.0f} GB/s (1 GiB device-to-device, read + write)")
+    layout = f"{gpu}, {str(dtype).removeprefix('torch.')}, {HEADS} q / {KV_HEADS} kv heads × {HEAD_DIM}, block {BLOCK_SIZE}"
+    by_context = decode_sweep(kernels, device, dtype, [(TARGET[0], c) for c in CONTEXTS], args.skip_flex)
+    fig = plot_bandwidth(CONTEXTS, by_context["seconds"], by_context["bandwidth"], copy_gbs, "context length (tokens)",
+                         f"Decode attention, batch {TARGET[0]}", layout)
+    console.print(f"saved {plots.save(fig, '08_decode_vs_context')}")
+    by_batch = decode_sweep(kernels, device, dtype, [(b, TARGET[1]) for b in BATCHES], args.skip_flex)
+    fig = plot_bandwidth(BATCHES, by_batch["seconds"], by_batch["bandwidth"], copy_gbs, "batch size (sequences)",
+                         f"Decode attention, {TARGET[1]:,}-token contexts", layout)
+    console.print(f"saved {plots.save(fig, '08_decode_vs_batch')}")
+    target = by_context["bandwidth"]["triton (paged, in place)"][CONTEXTS.index(TARGET[1])]
+    console.print(f"  [bold]goal[/]: Triton decode at batch {TARGET[0]} × {TARGET[1]:,} reaches {target:,.0f} GB/s = "
+                  f"{target / copy_gbs:.0%} of copy bandwidth (goal ≥ 70 %)")
+    tiles = tile_sweep(kernels, device, dtype, copy_gbs)
+    engine = None if args.e2e_requests == 0 else engine_throughput(args, device, dtype)
+    return dict(copy_bandwidth_gbs=copy_gbs, layout=layout, contexts=CONTEXTS, batch_for_contexts=TARGET[0],
+                by_context=by_context, batches=BATCHES, context_for_batches=TARGET[1], by_batch=by_batch,
+                target_fraction_of_copy=target / copy_gbs, tile_sweep=tiles, engine=engine)
+
+
+def main() -> None:
+    parser = chapter_parser(__doc__.splitlines()[1])
+    parser.add_argument("--e2e-requests", type=int, default=128, help="requests of the engine benchmark (0: skip it)")
+    parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (its compiles take time)")
+    args = parser.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        # Must happen before the kernels are defined: Triton decides at @triton.jit time.
+        os.environ["TRITON_INTERPRET"] = "1"
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        parser.error("Triton's interpreter computes bfloat16 matmuls wrongly; use --dtype float32 on the CPU")
+    from minivllm.attention import triton_kernels as kernels
+    from minivllm.bench import environment, save_results
+
+    narrate(dtype)
+    errors = check(kernels, device, dtype)
+    if device.type != "cuda":
+        console.rule("[bold]3. Benchmark")
+        console.print("[yellow]The timing part needs CUDA: the interpreter shows the kernels are right, not fast. "
+                      "Run `python chapters/08_triton_kernel.py --device cuda` on a GPU.")
+        path = save_results("08_triton_kernel_cpu_check", dict(environment=environment(), device="cpu (interpreter)",
+                                                                dtype=str(dtype), errors=errors))
+        console.print(f"saved {path}")
+        return
+    results = benchmark(kernels, args, device, dtype)
+    path = save_results("08_triton_kernel", dict(environment=environment() | dict(device=torch.cuda.get_device_name(device)),
+                                                 dtype=str(dtype), errors=errors, **results))
+    console.print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

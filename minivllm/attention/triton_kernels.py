@@ -1,0 +1,394 @@
+"""Chapter 8 — paged attention in Triton: three kernels that read the KV pool in place.
+
+Chapter 6's PyTorch paged attention (paged.py) first *copies* every sequence's blocks out of
+the pool into a padded [S, L, Hkv, D] tensor and then attends to the copy. Decode attention
+does almost no arithmetic per byte (each K/V element is used once per query head that shares
+it), so its speed is the speed of reading the cache; an extra copy, plus padding to the
+longest context, is most of the cost. The kernels here follow the block table themselves:
+
+    store_kv            the step's new K/V -> their slots in the pool       (one program per token)
+    paged_decode        one query token per sequence, split-K "flash-decoding":
+                          pass 1: each program attends to one *partition* of one sequence's
+                                  context for all query heads of one KV head -> a partial
+                                  softmax (max, sum, unnormalised weighted V)
+                          pass 2: merge the partitions of each (sequence, head)
+    paged_prefill       ragged query chunks of several sequences in one flat run, each
+                        attending causally to its cached past plus its own chunk
+
+The kernels share two helpers: `_kv_tile` (where BLOCK_N consecutive tokens of a sequence
+live in the pool) and `_online_softmax_step` (fold one tile of scores into a running softmax).
+
+Reading a tile through the block table. Token p of a sequence lives in physical block
+table[p // block_size] at offset p % block_size, so a tile of BLOCK_N consecutive tokens is
+BLOCK_N rows of D contiguous elements at scattered addresses. We compute one address per row:
+the tile never needs to line up with blocks, so block_size 1, 16 or 13 all work, and the tile
+stays wide enough (>= 16 tokens) for tensor-core matmuls even when blocks are tiny.
+
+Online softmax. softmax(s) v = sum_j exp(s_j - m) v_j / sum_j exp(s_j - m) for any m; taking
+m = max_j s_j keeps every exp() <= 1. Walking the keys tile by tile we keep the running max
+m, the running sum l = sum exp(s_j - m) and the running weighted values acc = sum exp(s_j - m)
+v_j; when a tile raises the max from m to m', everything so far is rescaled by exp(m - m').
+Two partial results over disjoint keys merge by the same rule: `merge_partials`, the chapter's
+exercise, is that merge in PyTorch; `_merge_partials_kernel` is the same code in Triton.
+
+Memory traffic of a decode step, per layer: the cached K and V of every sequence, read once
+(2 x context x Hkv x D elements per sequence; the Hq / Hkv query heads of a KV head share the
+read), plus q and the output, plus the fp32 partials written by pass 1 and read by pass 2
+(Hq x P x (D + 2) floats per sequence, P = number of partitions). At batch 64 x 4,096 tokens
+with Qwen3-0.6B's heads in bf16 that is 1 GiB of K/V against 4 MiB of partials: the kernel
+can only be as fast as the GPU reads memory, and a good one gets close.
+
+Triton is imported at the top: import this module only where triton is installed. Kernels are
+compiled for the GPU unless TRITON_INTERPRET=1 was set before this module was imported, in
+which case they run (slowly) on the CPU in Triton's interpreter (see INTERPRETED). The
+interpreter gets bfloat16 matmuls wrong (triton-lang/triton#11584), so CPU checks use float32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ------------------------------------------------------------------------------------------
+# The exercise: merging partial softmaxes, in plain PyTorch
+# ------------------------------------------------------------------------------------------
+
+
+def merge_partials(maxes: torch.Tensor, sums: torch.Tensor, accs: torch.Tensor) -> torch.Tensor:
+    """Combine P partial attention results over disjoint sets of keys into the full result.
+
+    Partial i saw scores s_j over its keys and kept maxes[..., i] = m_i = max_j s_j,
+    sums[..., i] = l_i = sum_j exp(s_j - m_i) and accs[..., i, :] = sum_j exp(s_j - m_i) v_j.
+    A partial that saw no keys has m_i = -inf, l_i = 0, acc_i = 0 and must not count.
+    maxes, sums: [..., P]; accs: [..., P, D]. Returns softmax(all scores) @ v: [..., D].
+    """
+    # BEGIN SOLUTION
+    m = maxes.amax(dim=-1, keepdim=True)  # the global max (finite: some partial saw a key)
+    weights = torch.exp(maxes - m)  # exp(m_i - m) moves partial i to the global max; empty -> 0
+    total = (weights * sums).sum(dim=-1)  # sum over all keys of exp(s_j - m)
+    return (weights[..., None] * accs).sum(dim=-2) / total[..., None]
+    # END SOLUTION
+
+
+# ------------------------------------------------------------------------------------------
+# Shared pieces of the attention kernels
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_tile(
+    table_ptr, positions, context_len, kv_head, dims, dim_ok,
+    stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr,
+):
+    """Offsets of the K/V rows of `positions` (BLOCK_N logical token positions of one
+    sequence) in the pool, for one KV head, and which of them exist (position < context_len).
+    K and V pools have the same shape, so the same offsets serve both."""
+    exists = positions < context_len
+    # One block-table entry per token (neighbouring tokens share entries; those loads hit
+    # the L1 cache). Positions past the context read nothing and get block 0, masked later.
+    block = tl.load(table_ptr + positions // BLOCK_SIZE, mask=exists, other=0)
+    row = block.to(tl.int64) * stride_block + (positions % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    offsets = row[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]: D contiguous elements per row
+    return offsets, exists[:, None] & dim_ok[None, :], exists
+
+
+@triton.jit
+def _online_softmax_step(scores, v, m_i, l_i, acc):
+    """Fold one tile into the running softmax of each row: scores [M, BLOCK_N] (fp32, -inf
+    where hidden), v [BLOCK_N, BLOCK_D]; m_i, l_i [M] and acc [M, BLOCK_D] in fp32.
+    Every row must already have seen one visible key (m_i finite) or see one in this tile."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max (0 at the start)
+    p = tl.exp(scores - m_new[:, None])  # this tile's unnormalised probabilities, <= 1
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # p is cast to V's dtype (bf16 on a GPU) so the second matmul runs on tensor cores too.
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 matmuls in exact fp32 ("ieee") rather than TF32, so fp32 runs match PyTorch."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The kernels assume the last dimension is contiguous and K, V share one layout."""
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("paged attention kernels need contiguous head_dim and identical K/V cache layouts")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads cannot share {k_cache.shape[2]} KV heads evenly")
+
+
+# ------------------------------------------------------------------------------------------
+# 1. Store: the step's new K and V into their slots
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_k_token, stride_k_head, stride_v_token, stride_v_head, stride_cache_slot, stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per new token: read its [Hkv, D] keys and values, write them to its slot.
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token)  # int64: slots of a large pool can pass 2**31 elements
+    heads = tl.arange(0, BLOCK_H)[:, None]  # BLOCK_H, BLOCK_D: powers of two >= Hkv, D
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    destination = slot * stride_cache_slot + heads * stride_cache_head + dims
+    k = tl.load(k_ptr + token * stride_k_token + heads * stride_k_head + dims, mask=mask)
+    tl.store(k_cache_ptr + destination, k, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_token + heads * stride_v_head + dims, mask=mask)
+    tl.store(v_cache_ptr + destination, v, mask=mask)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Triton version of paged.store_kv: k, v [T, Hkv, D] into the pool [num_blocks,
+    block_size, Hkv, D] at flat slots [T] (int64)."""
+    T, Hkv, D = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or not k_cache.is_contiguous() or k_cache.stride() != v_cache.stride():
+        raise ValueError("store_kv needs contiguous head_dim in k, v and one contiguous layout for both caches")
+    _store_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(Hkv), BLOCK_D=triton.next_power_of_2(D),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# 2. Decode: split-K ("flash-decoding") over the paged context
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    max_ptr, sum_ptr, acc_ptr, scale,
+    stride_q_seq, stride_q_head, stride_block, stride_slot, stride_head, stride_table,
+    stride_part_seq, stride_part_head, stride_acc_seq, stride_acc_head, stride_acc_part,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Program (sequence, KV head, partition) reads tokens [partition * PARTITION_SIZE, +
+    # PARTITION_SIZE) of the sequence's context, BLOCK_N tokens at a time, for the
+    # QUERIES_PER_KV query heads that share this KV head: each K/V byte is read from memory
+    # once and used by all of them (grouped-query attention without copying K/V).
+    seq, kv_head, partition = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+
+    # The group's queries as the rows of a [BLOCK_G, BLOCK_D] tile. BLOCK_G >= 16 because
+    # tensor-core matmuls need 16 rows; the padding rows (zeros) cost no memory traffic.
+    group = tl.arange(0, BLOCK_G)
+    heads = kv_head * QUERIES_PER_KV + group
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q_mask = (group < QUERIES_PER_KV)[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m_i)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of exp(score - m_i) * v
+    start = partition * PARTITION_SIZE
+    end = tl.minimum(start + PARTITION_SIZE, context_len)  # may be <= start: an empty partition
+    table = block_tables_ptr + seq * stride_table
+    for tile in range(start, end, BLOCK_N):
+        positions = tile + tl.arange(0, BLOCK_N)
+        offsets, kv_mask, exists = _kv_tile(table, positions, context_len, kv_head, dims, dim_ok,
+                                            stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(exists[None, :], scores, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc)
+
+    # Unnormalised partial results: the merge needs max and sum to weigh partitions. An empty
+    # partition stores (-inf, 0, 0), which the merge weighs by exp(-inf) = 0.
+    part = seq * stride_part_seq + heads * stride_part_head + partition
+    head_ok = group < QUERIES_PER_KV
+    tl.store(max_ptr + part, m_i, mask=head_ok)
+    tl.store(sum_ptr + part, l_i, mask=head_ok)
+    acc_offsets = seq * stride_acc_seq + heads[:, None] * stride_acc_head + partition * stride_acc_part + dims[None, :]
+    tl.store(acc_ptr + acc_offsets, acc, mask=q_mask)
+
+
+@triton.jit
+def _merge_partials_kernel(
+    max_ptr, sum_ptr, acc_ptr, out_ptr, num_partitions,
+    stride_part_seq, stride_part_head, stride_acc_seq, stride_acc_head, stride_acc_part,
+    stride_out_seq, stride_out_head,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    # One program per (sequence, query head): merge_partials over its partitions, in Triton.
+    seq, head = tl.program_id(0), tl.program_id(1)
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = parts < num_partitions
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    base = seq * stride_part_seq + head * stride_part_head + parts
+    maxes = tl.load(max_ptr + base, mask=part_ok, other=float("-inf"))
+    sums = tl.load(sum_ptr + base, mask=part_ok, other=0.0)
+    acc_offsets = (seq * stride_acc_seq + head * stride_acc_head + parts[:, None] * stride_acc_part
+                   + dims[None, :])
+    accs = tl.load(acc_ptr + acc_offsets, mask=part_ok[:, None] & dim_ok[None, :], other=0.0)
+    weights = tl.exp(maxes - tl.max(maxes, 0))  # [BLOCK_P]
+    total = tl.sum(weights * sums, 0)
+    out = tl.sum(weights[:, None] * accs, 0) / total  # [BLOCK_D]
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+def paged_decode_partials(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, max_context_len: int, partition_size: int = 512, block_n: int = 64,
+    num_warps: int = 4, num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pass 1 of decode: q [S, Hq, D] against each sequence's paged context, one partition of
+    `partition_size` tokens per program. Returns the partials (fp32): maxes [S, Hq, P],
+    sums [S, Hq, P], accs [S, Hq, P, D], with P = ceil(max_context_len / partition_size).
+
+    max_context_len is passed as a Python int (the scheduler knows it) so that sizing the grid
+    never waits for the GPU."""
+    _check_layout(q, k_cache, v_cache)
+    if partition_size % block_n:
+        raise ValueError(f"partition_size {partition_size} must be a multiple of block_n {block_n}")
+    S, Hq, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    P = triton.cdiv(max_context_len, partition_size)
+    maxes = torch.empty(S, Hq, P, dtype=torch.float32, device=q.device)
+    sums = torch.empty_like(maxes)
+    accs = torch.empty(S, Hq, P, D, dtype=torch.float32, device=q.device)
+    # Grid: S x Hkv x P programs. Without the split, batch 1 with 8 KV heads would be 8
+    # programs streaming a whole context each while the other SMs of the GPU (132 on an
+    # H100) idle; 512-token partitions of a 4,096-token context make that 64 programs, and
+    # at batch 64 they make 4,096, many waves of work for every SM.
+    _paged_decode_kernel[(S, Hkv, P)](
+        q, k_cache, v_cache, block_tables, context_lens, maxes, sums, accs, D**-0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        maxes.stride(0), maxes.stride(1), accs.stride(0), accs.stride(1), accs.stride(2),
+        BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        QUERIES_PER_KV=Hq // Hkv, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=block_n,
+        PARTITION_SIZE=partition_size, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return maxes, sums, accs
+
+
+def merge_partials_triton(maxes: torch.Tensor, sums: torch.Tensor, accs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Pass 2 of decode: merge_partials in Triton. maxes, sums [S, H, P], accs [S, H, P, D]
+    (fp32, contiguous) -> [S, H, D] in `dtype`."""
+    S, H, P, D = accs.shape
+    out = torch.empty(S, H, D, dtype=dtype, device=accs.device)
+    _merge_partials_kernel[(S, H)](
+        maxes, sums, accs, out, P,
+        maxes.stride(0), maxes.stride(1), accs.stride(0), accs.stride(1), accs.stride(2),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_P=triton.next_power_of_2(P),
+    )
+    return out
+
+
+def paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, max_context_len: int, partition_size: int = 512, block_n: int = 64,
+    num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """Triton version of paged.paged_decode: q [S, Hq, D] -> [S, Hq, D], reading K/V in place.
+
+    Memory traffic: every cached K/V byte of every sequence is read exactly once (shared by
+    the Hq / Hkv query heads of its KV head), plus q, the output and the small partials."""
+    partials = paged_decode_partials(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
+                                     partition_size, block_n, num_warps, num_stages)
+    return merge_partials_triton(*partials, dtype=q.dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# 3. Prefill: ragged query chunks, causal over the paged past plus the chunk itself
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr, scale,
+    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+    stride_block, stride_slot, stride_head, stride_table,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Program (sequence, KV head, query tile) handles BLOCK_Q consecutive tokens of the
+    # sequence's chunk for the QUERIES_PER_KV query heads of one KV head: BLOCK_M =
+    # BLOCK_Q * QUERIES_PER_KV (padded to a power of two) rows of (token, head) pairs that
+    # all read the same K/V tiles. Decode tokens are chunks of length 1.
+    seq, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:  # the grid is sized for the longest chunk in the step
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    past = context_len - q_len  # tokens cached before this step
+
+    rows = tl.arange(0, BLOCK_M)
+    token = q_tile * BLOCK_Q + rows // QUERIES_PER_KV  # index of the row's token in the chunk
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (token < q_len)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    q_offsets = (q_start + token)[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
+    query_pos = past + token  # absolute position: the row may see keys 0 .. query_pos
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys up to the last query of this tile; key 0 is visible to every row, so each row's
+    # running max is finite after the first tile.
+    kv_end = past + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    table = block_tables_ptr + seq * stride_table
+    for tile in range(0, kv_end, BLOCK_N):
+        positions = tile + tl.arange(0, BLOCK_N)
+        offsets, kv_mask, exists = _kv_tile(table, positions, context_len, kv_head, dims, dim_ok,
+                                            stride_block, stride_slot, stride_head, BLOCK_SIZE)
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        causal = exists[None, :] & (positions[None, :] <= query_pos[:, None])
+        scores = tl.where(causal, scores, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc)
+
+    out = acc / l_i[:, None]
+    out_offsets = (q_start + token)[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, block_m: int = 64,
+    block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention for a flat run of query chunks: q [T, Hq, D] where sequence s owns rows
+    query_start[s]:query_start[s+1], the last tokens of its context_lens[s] cached tokens
+    (their K/V already stored). Returns [T, Hq, D]."""
+    _check_layout(q, k_cache, v_cache)
+    T, Hq, D = q.shape
+    S = block_tables.shape[0]
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    block_m = max(block_m, 16, triton.next_power_of_2(group))
+    block_q = block_m // group  # tokens per program; rows beyond block_q * group are padding
+    out = torch.empty_like(q)
+    _paged_prefill_kernel[(S, Hkv, triton.cdiv(max_query_len, block_q))](
+        q, k_cache, v_cache, out, block_tables, query_start, context_lens, D**-0.5,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), QUERIES_PER_KV=group,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# Whether Triton built the kernels above for its CPU interpreter (TRITON_INTERPRET=1 at import
+# time) rather than for a GPU: interpreted kernels run on CPU tensors, compiled ones need CUDA.
+INTERPRETED = not isinstance(_store_kv_kernel, triton.runtime.JITFunction)

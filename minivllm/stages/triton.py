@@ -1,0 +1,26 @@
+"""Chapter 8 — Triton paged attention: chapter 7's engine with attention="triton".
+
+Nothing above attention changes: the same scheduler, block manager, model runner and sampler
+as chapter 7, and the same KV pool and block tables. Only the attention object the runner
+builds each step does: TritonPagedAttention (attention/triton_paged.py) stores K/V and reads
+the pool in place with the kernels of attention/triton_kernels.py, instead of gathering each
+sequence's blocks into a padded copy first.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from minivllm.attention.triton_paged import load_kernels
+from minivllm.model import Decoder
+from minivllm.stages import continuous
+from minivllm.stages.common import StageStats
+
+
+def generate(
+    model: Decoder, prompts: list[list[int]], max_new_tokens: int | list[int], stats: StageStats | None = None,
+    **engine_options: Any,
+) -> list[list[int]]:
+    """Greedy continuations through the engine with Triton attention; engine_options as in
+    continuous.generate (block_size, num_kv_blocks, max_num_batched_tokens, ...)."""
+    load_kernels(model.device, model.dtype)  # fail before building an engine if Triton cannot run here
+    return continuous.generate(model, prompts, max_new_tokens, stats=stats, attention="triton", **engine_options)
