@@ -130,24 +130,35 @@ def paged_decode(
 
 
 class PagedAttention:
-    """Chapter 6's attention: store into the pool, then attend through the block tables."""
+    """Chapter 6's attention: store into the pool, then attend through the block tables.
+
+    Decode rows (sequences bringing one token) are batched into one paged_decode call; the
+    prefill chunks, each with its own [chunk, context] mask, are attended one by one."""
 
     def __init__(self, pool: KVPool, batch: PagedBatch):
         self.pool, self.batch = pool, batch
-        if not batch.is_decode:  # built once per step, shared by all layers
-            device = pool.k.device
-            self.masks = [chunk_mask(q, c - q, device) for q, c in zip(batch.query_lens, batch.context_lens)]
+        device = pool.k.device
+        starts = batch.query_start.tolist()
+        decodes = [s for s, q_len in enumerate(batch.query_lens) if q_len == 1]
+        self.decode_rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=device)
+        self.decode_tables = batch.block_tables[decodes]
+        self.decode_lens = batch.context_lens_tensor[decodes]
+        # (sequence, first row, mask) of each prefill chunk; masks built once, used by every layer
+        self.chunks = [(s, starts[s], chunk_mask(q_len, ctx - q_len, device))
+                       for s, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)) if q_len > 1]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, batch = self.pool.k[layer], self.pool.v[layer], self.batch
         store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        if batch.is_decode:
-            return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens_tensor)
+        if not self.chunks:  # a pure decode step: every row is a decode row, in order
+            return paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens)
         out = torch.empty_like(q)
-        start = 0
-        for s, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
+        if len(self.decode_rows):
+            out[self.decode_rows] = paged_decode(q[self.decode_rows], k_cache, v_cache, self.decode_tables,
+                                                 self.decode_lens)
+        for s, start, mask in self.chunks:
+            ctx, end = batch.context_lens[s], start + mask.shape[0]
             keys = gather_kv(k_cache, batch.block_tables[s], ctx)
             values = gather_kv(v_cache, batch.block_tables[s], ctx)
-            out[start:start + q_len] = attend(q[start:start + q_len], keys, values, self.masks[s])
-            start += q_len
+            out[start:end] = attend(q[start:end], keys, values, mask)
         return out
