@@ -29,9 +29,8 @@ from minivllm.bench import (
     make_workload,
     save_results,
 )
-from minivllm.peers import hf_generate_batch, hf_static_generate
+from minivllm.peers import hf_generate_batch, hf_static_generate, to_transformers
 from minivllm.plots.lines import plot_bars
-from minivllm.tour import to_transformers
 
 OURS, STATIC, CONTINUOUS = "minivllm LLM.generate", "transformers generate (static)", "transformers generate_batch"
 NOTES = {

@@ -13,7 +13,7 @@ def _tour(args: argparse.Namespace) -> None:
 
     run_tour(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
              workload=args.workload, stages=args.stages.split(",") if args.stages else None,
-             num_requests=args.requests, seed=args.seed, check=args.check, figure=args.figure)
+             num_requests=args.requests, seed=args.seed, check=args.check, figure=args.figure, peers=not args.no_peers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     tour.add_argument("--requests", type=int, default=None, help="override the workload's number of requests")
     tour.add_argument("--seed", type=int, default=0)
     tour.add_argument("--check", type=int, default=4, help="requests compared with transformers' greedy tokens")
+    tour.add_argument("--no-peers", action="store_true", help="skip transformers' generate and generate_batch")
     tour.add_argument("--figure", default=None, help="figure name under figures/ (default: ladder or ladder_cuda)")
     tour.set_defaults(run=_tour)
 

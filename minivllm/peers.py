@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from minivllm.model import Decoder
+
 
 def _greedy_config(hf_model: Any, max_new_tokens: int) -> Any:
     """A GenerationConfig that is greedy and never stops early (no EOS)."""
@@ -66,3 +68,26 @@ def hf_generate_batch(
             if result.is_finished():
                 results[result.request_id] = list(result.generated_tokens)
     return [results[i][:n] for i, n in zip(ids, output_lens)]
+
+
+def to_transformers(model: Decoder) -> Any:
+    """A transformers model with exactly our weights: the reference for the agreement check."""
+    import transformers
+
+    cfg = model.config
+    kind = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **cfg.rope_scaling}
+    hf_config = kind[cfg.model_type](
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, rope_scaling=rope if cfg.rope_type != "default" else None,
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias,
+    )
+    with torch.device(model.device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=model.dtype)
+    state = {("" if name.startswith("lm_head") else "model.") + name: t for name, t in model.state_dict().items()}
+    hf.load_state_dict(state, strict=False)
+    hf.generation_config.eos_token_id = None  # like the stages: exactly the requested number of tokens
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()

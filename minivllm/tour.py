@@ -18,8 +18,10 @@ from minivllm.bench import (StageResult, Workload, console, environment, format_
                             make_workload, run_stage, save_results)
 from minivllm.loader import load_model
 from minivllm.model import Decoder
+from minivllm.peers import hf_generate_batch, hf_static_generate, to_transformers
 from minivllm.plots.lines import plot_bars
 from minivllm.stages import STAGES
+from minivllm.stages.common import StageStats
 
 # Stages that recompute everything are run on a few requests and extrapolated when the
 # workload is large (naive decode on "nano" would take hours).
@@ -30,41 +32,35 @@ SLOW_WORKLOAD_TOKENS = 20_000
 INTERPRETER_SAMPLE = 2
 
 
-def to_transformers(model: Decoder) -> Any:
-    """A transformers model with exactly our weights: the reference for the agreement check."""
-    import transformers
-
-    cfg = model.config
-    kind = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
-    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **cfg.rope_scaling}
-    hf_config = kind[cfg.model_type](
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, rope_scaling=rope if cfg.rope_type != "default" else None,
-        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias,
-    )
-    with torch.device(model.device):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=model.dtype)
-    state = {("" if name.startswith("lm_head") else "model.") + name: t for name, t in model.state_dict().items()}
-    hf.load_state_dict(state, strict=False)
-    hf.generation_config.eos_token_id = None  # like the stages: exactly the requested number of tokens
-    hf.generation_config.pad_token_id = 0
-    return hf.eval()
-
-
-def reference_outputs(model: Decoder, workload: Workload, sample: list[int]) -> dict[int, list[int]]:
-    """transformers' greedy tokens for the sampled requests."""
-    hf = to_transformers(model)
+def reference_outputs(hf: Any, workload: Workload, sample: list[int]) -> dict[int, list[int]]:
+    """transformers' greedy tokens (one request at a time) for the sampled requests."""
     outputs = {}
     with torch.no_grad():
         for i in sample:
-            ids = torch.tensor([workload.prompts[i]], device=model.device)
+            ids = torch.tensor([workload.prompts[i]], device=hf.device)
             n = workload.output_lens[i]
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
             outputs[i] = out[0, ids.shape[1]:].tolist()
-    del hf
     return outputs
+
+
+def peer_runners(hf: Any, batch_size: int = 16) -> dict[str, Any]:
+    """transformers' own batched generation, wrapped like a stage (same prompts and lengths)."""
+
+    def static(model: Decoder, prompts: list[list[int]], lens: list[int], stats: StageStats) -> list[list[int]]:
+        # Padded rectangles run to each batch's longest prompt + longest output: count that work.
+        for b in range(0, len(prompts), batch_size):
+            batch, out = prompts[b:b + batch_size], lens[b:b + batch_size]
+            padded = len(batch) * (max(map(len, batch)) + max(out) - 1)
+            stats.token_slots += padded
+            stats.wasted_slots += padded - sum(len(p) + n - 1 for p, n in zip(batch, out))
+        return hf_static_generate(hf, prompts, lens, batch_size)
+
+    def continuous(model: Decoder, prompts: list[list[int]], lens: list[int], stats: StageStats) -> list[list[int]]:
+        stats.token_slots += sum(len(p) + n - 1 for p, n in zip(prompts, lens))
+        return hf_generate_batch(hf, prompts, lens)
+
+    return {f"transformers generate (static, batch {batch_size})": static, "transformers generate_batch": continuous}
 
 
 def agreement(result: StageResult, reference: dict[int, list[int]], offset: int = 0) -> str:
@@ -77,7 +73,7 @@ def agreement(result: StageResult, reference: dict[int, list[int]], offset: int 
 def run_tour(
     source: Any = None, device: str | None = None, dtype: torch.dtype | None = None, workload: str = "classroom",
     stages: list[str] | None = None, num_requests: int | None = None, seed: int = 0, check: int = 4,
-    figure: str | None = None, results_name: str | None = None,
+    figure: str | None = None, results_name: str | None = None, peers: bool = True,
 ) -> dict[str, Any]:
     """Run the ladder; returns the JSON payload (also written to benchmarks/results/)."""
     model = load_model(source, device=device, dtype=dtype)
@@ -94,16 +90,19 @@ def run_tour(
                          f"{model.config.max_position_embeddings}")
     console.print(f"[bold]tour[/] {work.describe()}")
     sample = list(range(min(check, len(work.prompts))))
+    hf = to_transformers(model)
     with console.status("transformers reference for the agreement check..."):
-        reference = reference_outputs(model, work, sample)
+        reference = reference_outputs(hf, work, sample)
+    runners = {name: STAGES[name] for name in stages} | (peer_runners(hf) if peers else {})
 
     rows: list[dict[str, Any]] = []
     with Progress(console=console) as progress:
-        task = progress.add_task("stages", total=len(stages))
-        for name in stages:
-            progress.update(task, description=f"stage {name}")
-            rows.append(_run_one(name, model, work, reference))
+        task = progress.add_task("stages", total=len(runners))
+        for name, generate in runners.items():
+            progress.update(task, description=name)
+            rows.append(_run_one(name, generate, model, work, reference))
             progress.advance(task)
+    del hf
 
     base = next((r for r in rows if r["name"] == "naive"), rows[0])
     for r in rows:
@@ -121,19 +120,19 @@ def run_tour(
     return payload
 
 
-def _run_one(name: str, model: Decoder, work: Workload, reference: dict[int, list[int]]) -> dict[str, Any]:
+def _run_one(name: str, generate: Any, model: Decoder, work: Workload, reference: dict[int, list[int]]) -> dict[str, Any]:
     # Warm-up on a scrap of the workload: first calls pay for allocations and kernel compilation.
-    STAGES[name](model, [p[:8] for p in work.prompts[:2]], [2, 2])
+    generate(model, [p[:8] for p in work.prompts[:2]], [2, 2], stats=StageStats())
     note = ""
     if name == "triton" and model.device.type == "cpu":
-        result = run_stage(name, STAGES[name], model, work.subset(INTERPRETER_SAMPLE))
+        result = run_stage(name, generate, model, work.subset(INTERPRETER_SAMPLE))
         note = f"Triton interpreter on CPU, {INTERPRETER_SAMPLE} requests: checks tokens, not speed"
     elif name in SLOW_STAGES and work.num_output_tokens > SLOW_WORKLOAD_TOKENS:
         sampled = work.subset(SLOW_STAGES[name])
-        result = run_stage(name, STAGES[name], model, sampled)
+        result = run_stage(name, generate, model, sampled)
         note = f"ran {len(sampled.prompts)} of {len(work.prompts)} requests, rate extrapolated"
     else:
-        result = run_stage(name, STAGES[name], model, work)
+        result = run_stage(name, generate, model, work)
     row = result.row() | dict(agrees=agreement(result, reference), note=note)
     row["peak_kv_bytes"] = result.stats.peak_kv_tokens * model.config.kv_bytes_per_token(model.dtype)
     return row

@@ -1,0 +1,51 @@
+"""The tour on a tiny workload: the JSON it writes has the promised structure, every stage
+agrees with transformers, and the agreement check itself catches wrong tokens."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minivllm.bench import StageResult
+from minivllm.cli import main
+from minivllm.tour import agreement
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, hf_models):
+    folder = tmp_path_factory.mktemp("tiny_qwen3")
+    hf_models["qwen3"].save_pretrained(folder)
+    return folder
+
+
+def test_tour_writes_json_and_figure(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # results and figures land in the temporary folder
+    stages = "naive,kv_cache,static_batch,ragged_batch"
+    main(["tour", "--model", str(tiny_checkpoint), "--workload", "tiny", "--requests", "4", "--stages", stages,
+          "--check", "4", "--device", "cpu"])
+    payload = json.loads((tmp_path / "benchmarks/results/tour_cpu_tiny.json").read_text())
+    assert (tmp_path / "figures/ladder.png").stat().st_size > 10_000
+    assert {"environment", "workload", "rows", "kv_bytes_per_token"} <= payload.keys()
+    assert {"device", "dtype", "torch", "transformers", "model"} <= payload["environment"].keys()
+    assert len(payload["workload"]["prompt_lens"]) == 4
+    rows = {r["name"]: r for r in payload["rows"]}
+    peers = ["transformers generate (static, batch 16)", "transformers generate_batch"]
+    assert list(rows) == stages.split(",") + peers
+    for row in rows.values():
+        assert row["agrees"] == "✓", f"{row['name']} disagrees with transformers: {row['agrees']}"
+        assert row["useful_tokens"] == sum(payload["workload"]["output_lens"])
+        assert row["tokens_per_second"] > 0 and 0 <= row["padding_waste"] < 1
+    assert rows["naive"]["speedup"] == 1.0
+    assert rows["static_batch"]["padding_waste"] > 0 and rows["ragged_batch"]["padding_waste"] == 0
+    assert rows[peers[0]]["padding_waste"] > 0 and rows[peers[1]]["padding_waste"] == 0
+
+
+def test_agreement_reports_mismatches():
+    reference = {0: [1, 2, 3], 1: [4, 5]}
+    assert agreement(StageResult("ok", 1.0, 5, outputs=[[1, 2, 3], [4, 5]]), reference) == "✓"
+    assert agreement(StageResult("bad", 1.0, 5, outputs=[[1, 2, 3], [4, 6]]), reference) == "✗ 1/2"
+
+
+def test_unknown_stage_is_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="unknown stages"):
+        main(["tour", "--model", str(tiny_checkpoint), "--stages", "warp_drive", "--device", "cpu"])
