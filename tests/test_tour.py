@@ -49,3 +49,18 @@ def test_agreement_reports_mismatches():
 def test_unknown_stage_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="unknown stages"):
         main(["tour", "--model", str(tiny_checkpoint), "--stages", "warp_drive", "--device", "cpu"])
+
+
+def test_large_workloads_sample_the_one_group_at_a_time_stages(tiny_checkpoint, tmp_path, monkeypatch):
+    import minivllm.tour as tour
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tour, "LARGE_WORKLOAD_TOKENS", 0)  # treat the tiny workload as large
+    payload = tour.run_tour(tiny_checkpoint, device="cpu", workload="tiny", num_requests=6,
+                            stages=["naive", "paged"], check=2, peers=False)
+    rows = {r["name"]: r for r in payload["rows"]}
+    sampled = tour.SAMPLED_STAGES["naive"]
+    assert rows["naive"]["note"].startswith(f"ran {sampled} of 6 requests")
+    assert rows["naive"]["useful_tokens"] == sum(payload["workload"]["output_lens"][:sampled])
+    assert rows["paged"]["note"] == "" and rows["paged"]["useful_tokens"] == sum(payload["workload"]["output_lens"])
+    assert all(r["agrees"] == "✓" for r in rows.values())
