@@ -9,11 +9,14 @@ from minivllm.bench import WORKLOADS
 
 
 def _tour(args: argparse.Namespace) -> None:
-    from minivllm.tour import run_tour
+    from minivllm.tour import markdown_table, run_tour
 
-    run_tour(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-             workload=args.workload, stages=args.stages.split(",") if args.stages else None,
-             num_requests=args.requests, seed=args.seed, check=args.check, figure=args.figure, peers=not args.no_peers)
+    payload = run_tour(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                       workload=args.workload, stages=args.stages.split(",") if args.stages else None,
+                       num_requests=args.requests, seed=args.seed, check=args.check, figure=args.figure,
+                       peers=not args.no_peers)
+    if args.markdown:
+        print(markdown_table(payload))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     tour.add_argument("--seed", type=int, default=0)
     tour.add_argument("--check", type=int, default=4, help="requests compared with transformers' greedy tokens")
     tour.add_argument("--no-peers", action="store_true", help="skip transformers' generate and generate_batch")
+    tour.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for the README)")
     tour.add_argument("--figure", default=None, help="figure name under figures/ (default: ladder or ladder_cuda)")
     tour.set_defaults(run=_tour)
 

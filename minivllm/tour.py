@@ -156,6 +156,17 @@ def _print_table(payload: dict[str, Any]) -> None:
     console.print(table)
 
 
+def markdown_table(payload: dict[str, Any]) -> str:
+    """The tour's table as Markdown, for the README (same numbers as the JSON and the figure)."""
+    lines = ["| stage | useful tok/s | vs naive | padding waste | KV utilisation | = transformers | note |",
+             "|---|---:|---:|---:|---:|:---:|---|"]
+    for r in payload["rows"]:
+        kv = "—" if r["kv_utilisation"] is None else f"{r['kv_utilisation']:.0%}"
+        lines.append(f"| {r['name']} | {format_tokens_per_second(r['tokens_per_second'])} | {r['speedup']:.1f}× | "
+                     f"{r['padding_waste']:.0%} | {kv} | {r['agrees']} | {r['note']} |")
+    return "\n".join(lines)
+
+
 def _ladder_figure(payload: dict[str, Any]) -> plots.Figure:
     rows, env = payload["rows"], payload["environment"]
     model = env["model"]
