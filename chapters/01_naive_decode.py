@@ -18,7 +18,7 @@ from minivllm.bench import chapter_parser, console, environment, load_for_chapte
 from minivllm.plots.lines import plot_series
 from minivllm.plots.masks import plot_mask
 from minivllm.stages import naive
-from minivllm.text import encode_or_random, show_sample
+from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     model = load_for_chapter(args)
     tokenizer = load_tokenizer(args.model)
 
-    prompt = encode_or_random(tokenizer, "def fibonacci(n):\n", model.config.vocab_size)
+    prompt = encode_or_random(tokenizer, DEMO_PROMPT, model.config.vocab_size)
     show_sample(tokenizer, prompt, naive.generate(model, [prompt], 40)[0])
 
     path = plots.save(plot_mask(causal_mask(12), "Causal mask: token i sees tokens 0..i"), "01_causal_mask")

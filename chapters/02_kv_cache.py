@@ -21,7 +21,7 @@ from minivllm.loader import read_config
 from minivllm.plots.lines import plot_series
 from minivllm.plots.masks import decode_attention_picture
 from minivllm.stages import kv_cache, naive
-from minivllm.text import encode_or_random, show_sample
+from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
 
 def main() -> None:
     parser = chapter_parser(__doc__.splitlines()[1])
@@ -30,7 +30,7 @@ def main() -> None:
     model = load_for_chapter(args)
     tokenizer = load_tokenizer(args.model)
 
-    prompt = encode_or_random(tokenizer, "def fibonacci(n):\n", model.config.vocab_size)
+    prompt = encode_or_random(tokenizer, DEMO_PROMPT, model.config.vocab_size)
     cached = kv_cache.generate(model, [prompt], 40)[0]
     show_sample(tokenizer, prompt, cached)
     console.print("same tokens as naive decode:", cached == naive.generate(model, [prompt], 40)[0])

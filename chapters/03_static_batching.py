@@ -19,16 +19,15 @@ from minivllm.bench import (chapter_parser, console, environment, load_for_chapt
                             run_stage, save_results)
 from minivllm.plots.batching import plot_padded_mask, plot_waste_vs_batch_size
 from minivllm.stages import kv_cache, static_batch
-from minivllm.text import show_sample
+from minivllm.text import DEMO_PROMPTS, show_sample
 
-TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n        self.items = []\n"]
 MASK_LENGTHS = [5, 2, 7]  # small enough to label every cell
 
 
 def sample_prompts(tokenizer, vocab_size: int) -> list[list[int]]:
     """Prompts of different lengths: text if the model has a tokenizer, random ids if not."""
     if tokenizer is not None:
-        return [tokenizer.encode(t) for t in TEXTS]
+        return [tokenizer.encode(t) for t in DEMO_PROMPTS]
     rng = random.Random(0)
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in (5, 2, 11)]
 

@@ -20,16 +20,15 @@ from minivllm.bench import (chapter_parser, console, environment, format_bytes, 
                             results_table, run_stage, save_results)
 from minivllm.plots.batching import plot_padded_vs_ragged, plot_ragged_vs_static
 from minivllm.stages import kv_cache, ragged_batch, static_batch
-from minivllm.text import show_sample
+from minivllm.text import DEMO_PROMPTS, show_sample
 
-TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n        self.items = []\n"]
 MASK_LENGTHS = [5, 2, 7]  # the same prompts as chapter 3's picture
 
 
 def sample_prompts(tokenizer, vocab_size: int) -> list[list[int]]:
     """Prompts of different lengths: text if the model has a tokenizer, random ids if not."""
     if tokenizer is not None:
-        return [tokenizer.encode(t) for t in TEXTS]
+        return [tokenizer.encode(t) for t in DEMO_PROMPTS]
     rng = random.Random(0)
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in (5, 2, 11)]
 

@@ -24,7 +24,7 @@ from minivllm.kv_memory import compare
 from minivllm.plots.paging import plot_block_tables, plot_kv_utilisation
 from minivllm.stages import kv_cache, paged
 from minivllm.stages.common import StageStats
-from minivllm.text import encode_or_random, show_sample
+from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
 
 PAPER = "vLLM paper (arXiv 2309.06180): reservation-based systems 20.4–38.2 % of KV memory used, paging < 4 % waste"
 
@@ -72,7 +72,7 @@ def main() -> None:
     model = load_for_chapter(args)
     tokenizer = load_tokenizer(args.model)
 
-    prompt = encode_or_random(tokenizer, "def fibonacci(n):\n", model.config.vocab_size)
+    prompt = encode_or_random(tokenizer, DEMO_PROMPT, model.config.vocab_size)
     sample = paged.generate(model, [prompt], 40, block_size=4)[0]
     show_sample(tokenizer, prompt, sample)
     console.print("same tokens as chapter 2's contiguous cache:", sample == kv_cache.generate(model, [prompt], 40)[0])

@@ -20,7 +20,7 @@ from minivllm.bench import chapter_parser, console, environment, load_for_chapte
 from minivllm.engine.trace import TIMELINE_LABELS, Trace
 from minivllm.online import latency_summary, serve_continuous, serve_static
 from minivllm.plots.scheduling import plot_latency_vs_rate, plot_step_composition, plot_timeline
-from minivllm.text import encode_or_random, show_sample
+from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
 
 STATIC_EXPLAINED = (
     "Static batching here runs on the same engine: when free, it takes the requests that have arrived (up to "
@@ -31,7 +31,7 @@ STATIC_EXPLAINED = (
 
 def sample(model: torch.nn.Module, tokenizer) -> None:
     llm = LLM(model, tokenizer=tokenizer)
-    prompt = encode_or_random(tokenizer, "def fibonacci(n):\n", model.config.vocab_size)
+    prompt = encode_or_random(tokenizer, DEMO_PROMPT, model.config.vocab_size)
     greedy, sampled = llm.generate([prompt, prompt], [SamplingParams(max_tokens=40, temperature=0),
                                                       SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=0)],
                                    use_tqdm=False)

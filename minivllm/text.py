@@ -11,6 +11,15 @@ from rich.text import Text
 
 console = Console()
 
+# Prompts the embedded model continues well. They end mid-line: a prompt that ends in a newline
+# or in indentation leaves the byte-level BPE a token boundary it rarely saw in training.
+DEMO_PROMPT = "import os\n\ndef list_files(path):\n    return"
+DEMO_PROMPTS = [
+    DEMO_PROMPT,
+    "def read_lines(path):\n    with open(path) as f:\n        return",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.",
+]
+
 
 def encode_or_random(tokenizer: Any | None, text: str, vocab_size: int, seed: int = 0) -> list[int]:
     if tokenizer is not None:
