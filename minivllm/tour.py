@@ -170,12 +170,18 @@ def markdown_table(payload: dict[str, Any]) -> str:
 def _ladder_figure(payload: dict[str, Any]) -> plots.Figure:
     rows, env = payload["rows"], payload["environment"]
     model = env["model"]
+    interpreted = [r["note"].startswith("Triton interpreter") for r in rows]
+    extrapolated = [bool(r["note"]) and not i for r, i in zip(rows, interpreted)]
+    labels = []
+    for r, i, e in zip(rows, interpreted, extrapolated):
+        label = f"{format_tokens_per_second(r['tokens_per_second'])}\n{r['speedup']:.1f}×" + (" *" if e else "")
+        labels.append("interpreter:\ntokens checked,\nnot a speed" if i else label)
+    colors = ["#a0aec0" if i else "#dd6b20" if r["name"].startswith("transformers") else "#2b6cb0"
+              for r, i in zip(rows, interpreted)]
+    names = [r["name"].replace("transformers ", "HF ").replace(" (static, batch ", "\n(static, batch ") for r in rows]
     return plot_bars(
-        [r["name"] for r in rows], [r["tokens_per_second"] for r in rows], "useful output tokens / s (log scale)",
-        "The ladder: every stage on the same workload",
-        annotations=[f"{format_tokens_per_second(r['tokens_per_second'])}\n{r['speedup']:.1f}×"
-                     + (" *" if r["note"] else "") for r in rows],
-        logy=True, colors=["#dd6b20" if r["name"].startswith("transformers") else "#2b6cb0" for r in rows],
+        names, [r["tokens_per_second"] for r in rows], "useful output tokens / s (log scale)",
+        "The ladder: every stage on the same workload", annotations=labels, logy=True, colors=colors,
         subtitle=f"{payload['workload']['description']}\n{model['model_type']} {model['parameters'] / 1e6:.1f}M params, "
-                 f"{env['device']}, {env['dtype']}" + ("   (* extrapolated from a sample)" if any(r["note"] for r in rows) else ""),
+                 f"{env['device']}, {env['dtype']}" + ("   (* extrapolated from a sample)" if any(extrapolated) else ""),
     )

@@ -30,6 +30,9 @@ def plot_bars(
     bars = ax.bar(names, values, color=colors or "#2b6cb0")
     if logy:
         ax.set_yscale("log")
+        ax.set_ylim(top=max(values) * 4)  # headroom for the labels above the tallest bar
+    else:
+        ax.set_ylim(top=max(values) * 1.2)
     for bar, text in zip(bars, annotations or [f"{v:,.0f}" for v in values]):
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                     fontsize=8, xytext=(0, 2), textcoords="offset points")
