@@ -1,0 +1,75 @@
+"""The notebooks run top to bottom, and the committed ones are clean and point where the
+exercises say they do.
+
+Executing them is marked `slow` so it is easy to leave out (`pytest -m "not slow"`); CI runs it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from minivllm.exercises import EXERCISES, NOTEBOOKS
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+ALL = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def outputs_text(nb: dict) -> str:
+    parts = []
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []):
+            parts.append(json.dumps({k: v for k, v in out.items() if k != "data"}))
+            parts += [v if isinstance(v, str) else "".join(v) for k, v in out.get("data", {}).items()
+                      if k.startswith("text/")]
+    return "\n".join(parts)
+
+
+def test_every_chapter_has_a_notebook_with_its_exercise_sections():
+    for chapter, notebook in NOTEBOOKS.items():
+        path = ROOT / notebook
+        assert path.is_file(), f"{chapter}: missing {notebook}"
+        headings = {line.lstrip("#").strip() for cell in read(path)["cells"] if cell["cell_type"] == "markdown"
+                    for line in "".join(cell["source"]).splitlines() if line.startswith("#")}
+        for ex in EXERCISES:
+            if ex.chapter == chapter:
+                assert ex.section in headings, f"{notebook} has no section {ex.section!r} (the stub of {ex.label} points there)"
+
+
+@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
+def test_committed_notebook_is_executed_and_clean(path):
+    nb = read(path)
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert all(c.get("execution_count") for c in code), f"{path.name}: commit it executed (outputs kept)"
+    errors = [o for c in code for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert not errors, f"{path.name}: committed with an error: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+    text = outputs_text(nb)
+    junk = re.findall(r"(?:/tmp/|/home/|/root/|/Users/|C:\\\\Users)\S*", text)
+    assert not junk, f"{path.name}: outputs hold machine-specific paths: {junk[:3]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
+def test_notebook_runs_top_to_bottom(path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    # The models are tiny: one thread is as fast as two, and much faster on a busy machine.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    before = sorted(p.name for p in NOTEBOOK_DIR.iterdir())
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                     resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    start = time.perf_counter()
+    client.execute()  # raises CellExecutionError, with the cell and its traceback, on the first failure
+    print(f"{path.name}: {time.perf_counter() - start:.1f} s")
+    # Executed in memory, never written back; a notebook must not leave files next to itself either.
+    assert sorted(p.name for p in NOTEBOOK_DIR.iterdir()) == before, "the notebook wrote files into notebooks/"
