@@ -30,6 +30,10 @@ def generate(
     outputs: list[list[int]] = [[] for _ in prompts]
     if not todo:
         return outputs
+    # Like chapter 6's stage, size the pool to hold the whole workload unless told otherwise:
+    # the engine's default budget (256 MiB on CPU) would be zero-filled on every call.
+    block_size = engine_options.setdefault("block_size", 16)
+    engine_options.setdefault("num_kv_blocks", sum(-(-(len(prompts[i]) + lengths[i]) // block_size) for i in todo))
     llm = LLM(model, attention=attention, **engine_options)
     if stats is not None:
         llm.trace = Trace()
