@@ -20,7 +20,6 @@ import torch
 
 from minivllm import LLM, SamplingParams, plots
 from minivllm.bench import (
-    Workload,
     chapter_parser,
     console,
     environment,
@@ -29,7 +28,7 @@ from minivllm.bench import (
     make_workload,
     save_results,
 )
-from minivllm.peers import hf_generate_batch, hf_static_generate, to_transformers
+from minivllm.peers import hf_generate_batch, hf_static_generate, to_transformers, token_positions
 from minivllm.plots.lines import plot_bars
 
 OURS, STATIC, CONTINUOUS = "minivllm LLM.generate", "transformers generate (static)", "transformers generate_batch"
@@ -38,17 +37,6 @@ NOTES = {
     STATIC: "left-padded batches, each run to its longest output; useful tokens only",
     CONTINUOUS: "continuous batching manager, per-request max_new_tokens, cache sized to the workload",
 }
-
-
-def token_positions(work: Workload, batch_size: int) -> dict[str, int]:
-    """Token positions each runner pushes through the model: the arithmetic it must do. Each
-    request needs its prompt and all but its last output token; a padded static batch
-    computes every row to the longest prompt plus the longest output."""
-    needed = sum(len(p) + n - 1 for p, n in zip(work.prompts, work.output_lens))
-    padded = sum(len(batch) * (max(map(len, batch)) + max(lens) - 1)
-                 for b in range(0, len(work.prompts), batch_size)
-                 for batch, lens in [(work.prompts[b:b + batch_size], work.output_lens[b:b + batch_size])])
-    return {OURS: needed, STATIC: padded, CONTINUOUS: needed}
 
 
 def main() -> None:
@@ -90,7 +78,8 @@ def main() -> None:
                     torch.cuda.synchronize()
                 seconds[name].append(time.perf_counter() - start)
 
-    work_done = token_positions(work, args.batch_size)
+    needed, padded = token_positions(work.prompts, work.output_lens, args.batch_size)
+    work_done = {OURS: needed, STATIC: padded, CONTINUOUS: needed}
     rows = []
     for name in runners:
         median = statistics.median(seconds[name])

@@ -21,6 +21,18 @@ def _greedy_config(hf_model: Any, max_new_tokens: int) -> Any:
                             eos_token_id=None, pad_token_id=0, bos_token_id=None)
 
 
+def token_positions(prompts: list[list[int]], output_lens: list[int], batch_size: int) -> tuple[int, int]:
+    """(needed, padded): token positions the workload needs pushed through the model (each
+    prompt and all but the last output token), and what static batches of `batch_size`
+    compute instead (every row to its batch's longest prompt plus longest output)."""
+    needed = sum(len(p) + n - 1 for p, n in zip(prompts, output_lens))
+    padded = 0
+    for b in range(0, len(prompts), batch_size):
+        batch, lens = prompts[b:b + batch_size], output_lens[b:b + batch_size]
+        padded += len(batch) * (max(map(len, batch)) + max(lens) - 1)
+    return needed, padded
+
+
 @torch.inference_mode()
 def hf_static_generate(hf_model: Any, prompts: list[list[int]], output_lens: list[int], batch_size: int = 16) -> list[list[int]]:
     """Static batching, as `model.generate` does it: consecutive batches of `batch_size`
