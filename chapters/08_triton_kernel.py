@@ -146,9 +146,9 @@ def check(kernels: Any, device: torch.device, dtype: torch.dtype) -> dict[str, f
     args = [problem[n] for n in ("q", "k_cache", "v_cache", "block_tables", "context_lens")]
     got = kernels.paged_decode(*args, max(contexts))
     expected = reference_decode(problem)
-    errors = dict(decode_vs_torch=(got - paged_decode(*args)).abs().max().item(),
+    errors = dict(decode_vs_torch=(got - paged_decode(*args, max(contexts))).abs().max().item(),
                   decode_vs_float64=(got.double() - expected).abs().max().item(),
-                  torch_paged_vs_float64=(paged_decode(*args).double() - expected).abs().max().item())
+                  torch_paged_vs_float64=(paged_decode(*args, max(contexts)).double() - expected).abs().max().item())
 
     # A mixed step through both attention classes: prompt chunks after cached pasts, decodes.
     past_lens, query_lens = ([0, 700, 33, 2000], [513, 1, 200, 1]) if on_gpu else ([0, 9, 40], [21, 1, 13])
@@ -215,7 +215,7 @@ def decode_methods(kernels: Any, problem: dict[str, Any], max_context: int, skip
     args = [problem[n] for n in ("q", "k_cache", "v_cache", "block_tables", "context_lens")]
     methods: dict[str, Callable] = {
         "triton (paged, in place)": lambda: kernels.paged_decode(*args, max_context),
-        "PyTorch paged (gather, then attend)": lambda: paged_decode(*args),
+        "PyTorch paged (gather, then attend)": lambda: paged_decode(*args, max_context),
     }
     # The dense baselines get their K/V already gathered and padded to [S, Hkv, L, D] (not
     # timed): the best case for them, as if the cache were one contiguous tensor per sequence.

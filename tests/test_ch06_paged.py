@@ -172,7 +172,8 @@ def test_paged_decode_equals_attention_over_contiguous_caches():
             v_pool[table[p // block_size], p % block_size] = v[p]
         tables.append(table + [-1] * (4 - len(table)))
     q = torch.randn(len(context_lens), Hq, D, generator=rng)
-    got = paged_decode(q, k_pool, v_pool, torch.tensor(tables, dtype=torch.int32), torch.tensor(context_lens))
+    got = paged_decode(q, k_pool, v_pool, torch.tensor(tables, dtype=torch.int32), torch.tensor(context_lens),
+                       max(context_lens))
     for s, ((k, v), n) in enumerate(zip(caches, context_lens)):
         expected = reference_attention(q[s:s + 1], k, v, torch.ones(1, n, dtype=torch.bool))[0]
         torch.testing.assert_close(got[s].double(), expected, atol=1e-5, rtol=1e-5,

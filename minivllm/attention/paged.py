@@ -16,6 +16,7 @@ each sequence's queries attend to its cached past through its block table.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -104,9 +105,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
 
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    context_lens: torch.Tensor, max_context_len: int,
 ) -> torch.Tensor:
     """One query token per sequence, all sequences at once: q [S, Hq, D] -> [S, Hq, D].
+    max_context_len (= max(context_lens), known on the host) sizes the gather without
+    reading the device tensor back, which on a GPU would stall every layer.
 
     Gathers every sequence's blocks into a padded [S, L, Hkv, D] tensor (L = longest context,
     rounded up to whole blocks) and masks the padding: simple and batched, but it copies the
@@ -114,7 +117,7 @@ def paged_decode(
     """
     S, Hq, D = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-int(context_lens.max()) // block_size)
+    num_blocks = -(-max_context_len // block_size)
     tables = block_tables[:, :num_blocks].clamp(min=0).long()  # padding -1 -> block 0, masked below
     # Same as k_cache[tables], but index_select on the pool seen as one row per block is a
     # plain copy of whole rows, several times faster than general indexing on CPU.
@@ -138,11 +141,12 @@ class PagedAttention:
     def __init__(self, pool: KVPool, batch: PagedBatch):
         self.pool, self.batch = pool, batch
         device = pool.k.device
-        starts = batch.query_start.tolist()
+        starts = [0, *itertools.accumulate(batch.query_lens)]  # host copy of query_start, no device read
         decodes = [s for s, q_len in enumerate(batch.query_lens) if q_len == 1]
         self.decode_rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=device)
         self.decode_tables = batch.block_tables[decodes]
         self.decode_lens = batch.context_lens_tensor[decodes]
+        self.max_decode_len = max((batch.context_lens[s] for s in decodes), default=0)
         # (sequence, first row, mask) of each prefill chunk; masks built once, used by every layer
         self.chunks = [(s, starts[s], chunk_mask(q_len, ctx - q_len, device))
                        for s, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)) if q_len > 1]
@@ -151,11 +155,11 @@ class PagedAttention:
         k_cache, v_cache, batch = self.pool.k[layer], self.pool.v[layer], self.batch
         store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         if not self.chunks:  # a pure decode step: every row is a decode row, in order
-            return paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens)
+            return paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens, self.max_decode_len)
         out = torch.empty_like(q)
         if len(self.decode_rows):
             out[self.decode_rows] = paged_decode(q[self.decode_rows], k_cache, v_cache, self.decode_tables,
-                                                 self.decode_lens)
+                                                 self.decode_lens, self.max_decode_len)
         for s, start, mask in self.chunks:
             ctx, end = batch.context_lens[s], start + mask.shape[0]
             keys = gather_kv(k_cache, batch.block_tables[s], ctx)
