@@ -1,6 +1,7 @@
 """minivllm's engine against what a user would otherwise reach for, side by side in one run.
 
-    python benchmarks/continuous_vs_transformers.py [--model SRC] [--device cpu|cuda] [--threads N] [--repeats 3]
+    python benchmarks/continuous_vs_transformers.py [--requests 16 32 64] [--model SRC] [--device cpu|cuda]
+                                                    [--threads N] [--repeats 3]
 
 Same model weights, same prompts, same output lengths (greedy, EOS ignored), timed in turns:
 - minivllm: LLM.generate, default settings (continuous batching, paged KV cache);
@@ -9,17 +10,25 @@ Same model weights, same prompts, same output lengths (greedy, EOS ignored), tim
 - transformers continuous batching: the manager behind `model.generate_batch`, each request
   with its own max_new_tokens (generate_batch itself takes one length for all), KV cache sized
   to hold every request (see minivllm/peers.py).
+
+With several request counts, each count is its own seeded workload, measured the same way: static
+batching loses more as the number of requests grows, because every batch of 16 runs to its own
+longest output while continuous batching runs all requests side by side.
 Writes benchmarks/results/07_vs_transformers_<device>.json and figures/07_vs_transformers.png.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
 from minivllm import LLM, SamplingParams, plots
 from minivllm.bench import (
+    WORKLOADS,
+    Workload,
     chapter_parser,
     console,
     environment,
@@ -28,8 +37,13 @@ from minivllm.bench import (
     make_workload,
     save_results,
 )
-from minivllm.peers import hf_generate_batch, hf_static_generate, to_transformers, token_positions
-from minivllm.plots.lines import plot_bars
+from minivllm.peers import (
+    hf_generate_batch,
+    hf_static_generate,
+    to_transformers,
+    token_positions,
+)
+from minivllm.plots.lines import plot_vs_peers
 
 OURS, STATIC, CONTINUOUS = "minivllm LLM.generate", "transformers generate (static)", "transformers generate_batch"
 NOTES = {
@@ -37,47 +51,22 @@ NOTES = {
     STATIC: "left-padded batches, each run to its longest output; useful tokens only",
     CONTINUOUS: "continuous batching manager, per-request max_new_tokens, cache sized to the workload",
 }
+COLORS = {OURS: "#2b6cb0", STATIC: "#dd6b20", CONTINUOUS: "#38a169"}
+TARGET = 3.0  # the speed-up chapter 7 aims for over both peers on the classroom workload
 
 
-def main() -> None:
-    parser = chapter_parser(__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="classroom")
-    parser.add_argument("--requests", type=int, default=None, help="default: the workload's own count")
-    parser.add_argument("--batch-size", type=int, default=16, help="static batch size of the transformers peer")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each, interleaved; the median counts")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_for_chapter(args)
-    hf_model = to_transformers(model)
-    work = make_workload(args.workload, model.config.vocab_size, seed=args.seed, num_requests=args.requests)
-    console.print(f"[bold]workload[/] {work.describe()}")
-
-    llm = LLM(model)
-
-    def minivllm_generate(prompts: list[list[int]], lens: list[int]) -> list[list[int]]:
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
-        return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-
-    runners = {
-        OURS: minivllm_generate,
-        STATIC: lambda prompts, lens: hf_static_generate(hf_model, prompts, lens, args.batch_size),
-        CONTINUOUS: lambda prompts, lens: hf_generate_batch(hf_model, prompts, lens),
-    }
-    for run in runners.values():  # warm-up: first calls pay for allocation and kernel caches
-        run(work.prompts[:2], [4, 4])
+def measure(runners: dict[str, Any], work: Workload, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """Time every runner on one workload, in turns, and return one row per runner."""
     seconds: dict[str, list[float]] = {name: [] for name in runners}
     outputs: dict[str, list[list[int]]] = {}
     for repeat in range(args.repeats):
         for name, run in runners.items():
-            with console.status(f"run {repeat + 1}/{args.repeats}: {name}"):
+            with console.status(f"{len(work.prompts)} requests, run {repeat + 1}/{args.repeats}: {name}"):
                 start = time.perf_counter()
                 outputs[name] = run(work.prompts, work.output_lens)
-                if model.device.type == "cuda":
+                if device.type == "cuda":
                     torch.cuda.synchronize()
                 seconds[name].append(time.perf_counter() - start)
-
     needed, padded = token_positions(work.prompts, work.output_lens, args.batch_size)
     work_done = {OURS: needed, STATIC: padded, CONTINUOUS: needed}
     rows = []
@@ -91,27 +80,69 @@ def main() -> None:
     base = rows[0]["tokens_per_second"]
     for row in rows:
         row["minivllm_speedup_over_this"] = base / row["tokens_per_second"]
-        console.print(f"{row['name']:42s} {format_tokens_per_second(row['tokens_per_second']):>8s} tok/s  "
+        console.print(f"{len(work.prompts):4d} requests  {row['name']:32s} "
+                      f"{format_tokens_per_second(row['tokens_per_second']):>8s} tok/s  "
                       f"(median of {args.repeats}: {row['median_seconds']:.2f} s)  minivllm is "
                       f"{row['minivllm_speedup_over_this']:.2f}× this  same tokens: {row['same_tokens_as_minivllm']}  "
-                      f"token positions computed: {row['token_positions_computed']:,}")
+                      f"token positions: {row['token_positions_computed']:,}")
+    return rows
+
+
+def main() -> None:
+    parser = chapter_parser(__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="classroom", choices=list(WORKLOADS))
+    parser.add_argument("--requests", type=int, nargs="+", default=None,
+                        help="one or more request counts (default: the workload's own count)")
+    parser.add_argument("--batch-size", type=int, default=16, help="static batch size of the transformers peer")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each, interleaved; the median counts")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_for_chapter(args)
+    hf_model = to_transformers(model)
+    llm = LLM(model)
+
+    def minivllm_generate(prompts: list[list[int]], lens: list[int]) -> list[list[int]]:
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
+        return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    runners = {
+        OURS: minivllm_generate,
+        STATIC: lambda prompts, lens: hf_static_generate(hf_model, prompts, lens, args.batch_size),
+        CONTINUOUS: lambda prompts, lens: hf_generate_batch(hf_model, prompts, lens),
+    }
+    own_count = WORKLOADS[args.workload]["requests"]
+    counts = sorted(set(args.requests or [own_count]))
+    warm = make_workload(args.workload, model.config.vocab_size, seed=args.seed, num_requests=2)
+    for run in runners.values():  # warm-up: first calls pay for allocation and kernel caches
+        run(warm.prompts, [4, 4])
+    runs = []
+    for n in counts:
+        work = make_workload(args.workload, model.config.vocab_size, seed=args.seed, num_requests=n)
+        console.print(f"[bold]workload[/] {work.describe()}")
+        runs.append(dict(workload=dict(name=work.name, requests=n, description=work.describe(), seed=args.seed,
+                                       prompt_lens=[len(p) for p in work.prompts], output_lens=work.output_lens),
+                         rows=measure(runners, work, args, model.device)))
+    # The headline is the workload's standard size when it was measured, else the largest count.
+    headline = next((run for run in runs if run["workload"]["requests"] == own_count), runs[-1])
 
     env = environment(model)
-    payload = dict(environment=env, static_batch_size=args.batch_size, workload=dict(name=work.name, description=work.describe(), seed=args.seed,
-                   prompt_lens=[len(p) for p in work.prompts], output_lens=work.output_lens), rows=rows,
+    payload = dict(environment=env, static_batch_size=args.batch_size, target_speedup=TARGET,
+                   headline_requests=headline["workload"]["requests"], runs=runs,
                    created=time.strftime("%Y-%m-%d %H:%M:%S"))
     path = save_results(f"07_vs_transformers_{model.device.type}", payload)
-    fig = plot_bars(
-        [r["name"].replace(" (static)", f"\n(static, batch {args.batch_size})") for r in rows], [r["tokens_per_second"] for r in rows], "useful output tokens / s",
-        "minivllm vs transformers on the same workload",
-        annotations=[f"{format_tokens_per_second(r['tokens_per_second'])} tok/s"
-                     + ("" if r["name"] == OURS else f"\nminivllm is {r['minivllm_speedup_over_this']:.2f}× this")
-                     for r in rows],
-        colors=["#2b6cb0", "#dd6b20", "#dd6b20"],
-        subtitle=f"{work.describe()}\n{env['model']['model_type']} {env['model']['parameters'] / 1e6:.1f}M params, "
-                 f"{env['device']}, {env['dtype']}, median of {args.repeats}",
-    )
-    fig.axes[0].set_ylim(top=1.2 * max(r["tokens_per_second"] for r in rows))  # room for the labels
+    subtitle = (f"{args.workload} workload, {env['model']['model_type']} {env['model']['parameters'] / 1e6:.1f}M params, "
+                f"{env['device']}, {env['dtype']}, median of {args.repeats}")
+    labels = {OURS: OURS, STATIC: f"transformers generate\n(static, batch {args.batch_size})",
+              CONTINUOUS: "transformers\ngenerate_batch"}
+    fig = plot_vs_peers(
+        [dict(name=labels[r["name"]], tokens_per_second=r["tokens_per_second"], speedup=r["minivllm_speedup_over_this"])
+         for r in headline["rows"]],
+        f"{headline['workload']['requests']} requests", [run["workload"]["requests"] for run in runs],
+        {name: [next(r for r in run["rows"] if r["name"] == name)["minivllm_speedup_over_this"] for run in runs]
+         for name in (STATIC, CONTINUOUS)},
+        TARGET, [COLORS[name] for name in runners], subtitle)
     console.print(f"saved {path} and {plots.save(fig, '07_vs_transformers')}")
 
 

@@ -41,3 +41,48 @@ def plot_bars(
     ax.tick_params(axis="x", rotation=30)
     ax.grid(axis="y", alpha=0.3)
     return fig
+
+
+def plot_vs_peers(
+    headline: list[dict], headline_title: str, counts: list[int], speedups: dict[str, list[float]],
+    target: float, colors: list[str], subtitle: str = "",
+) -> plt.Figure:
+    """minivllm against other runners on the same requests.
+
+    Left: useful tokens/s of each runner (`headline` rows: name, tokens_per_second and
+    speedup, minivllm first). Right, when more than one workload size was measured: how many
+    times faster minivllm is than each peer (`speedups[peer]`, one value per entry of `counts`),
+    with the `target` ratio as a dashed line."""
+    sweep = len(counts) > 1
+    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(12 if sweep else 6.5, 4.8), squeeze=False)
+    ax = axes[0][0]
+    bars = ax.bar([row["name"] for row in headline], [row["tokens_per_second"] for row in headline], color=colors)
+    for i, (bar, row) in enumerate(zip(bars, headline)):
+        text = f"{row['tokens_per_second']:,.0f} tok/s" + (f"\nminivllm is {row['speedup']:.2f}× this" if i else "")
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=8, xytext=(0, 2), textcoords="offset points")
+    ax.set_ylim(top=1.25 * max(row["tokens_per_second"] for row in headline))
+    ax.set_ylabel("useful output tokens / s")
+    ax.set_title(headline_title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    if sweep:
+        ax = axes[0][1]
+        for (peer, values), color in zip(speedups.items(), colors[1:]):
+            ax.plot(counts, values, marker="o", color=color, label=f"over {peer}")
+            for x, y in zip(counts, values):
+                ax.annotate(f"{y:.2f}×", (x, y), fontsize=8, xytext=(5, -3), textcoords="offset points")
+        ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}×")
+        ax.axhline(1, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.set_xlim(counts[0] / 1.3, counts[-1] * 1.3)
+        ax.set_ylim(0, 1.2 * max(max(v) for v in speedups.values()))
+        ax.set_xlabel("requests in the workload (all arrive at once)")
+        ax.set_ylabel("minivllm's useful throughput / the peer's")
+        ax.set_title("minivllm's speed-up over each peer, by workload size", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("minivllm vs transformers: same model, prompts and output lengths" + (f"\n{subtitle}" if subtitle else ""),
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
