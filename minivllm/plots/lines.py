@@ -21,12 +21,11 @@ def plot_series(
     ax.legend()
 
 
-def plot_bars(
-    names: list[str], values: list[float], ylabel: str, title: str, annotations: list[str] | None = None,
-    logy: bool = False, colors: list[str] | None = None, subtitle: str = "",
-) -> plt.Figure:
-    """One bar per name, each annotated (e.g. '1,234 tok/s · 12×')."""
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 4.5))
+def draw_bars(
+    ax: Axes, names: list[str], values: list[float], ylabel: str, title: str, annotations: list[str] | None = None,
+    logy: bool = False, colors: list[str] | None = None,
+) -> None:
+    """One bar per name on `ax`, each annotated above its top (e.g. '1,234 tok/s · 12×')."""
     bars = ax.bar(names, values, color=colors or "#2b6cb0")
     if logy:
         ax.set_yscale("log")
@@ -37,9 +36,18 @@ def plot_bars(
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                     fontsize=8, xytext=(0, 2), textcoords="offset points")
     ax.set_ylabel(ylabel)
-    ax.set_title(title + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
-    ax.tick_params(axis="x", rotation=30)
+    ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
+
+
+def plot_bars(
+    names: list[str], values: list[float], ylabel: str, title: str, annotations: list[str] | None = None,
+    logy: bool = False, colors: list[str] | None = None, subtitle: str = "",
+) -> plt.Figure:
+    """A figure of one bar chart (see draw_bars), names tilted to fit."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 4.5))
+    draw_bars(ax, names, values, ylabel, title + (f"\n{subtitle}" if subtitle else ""), annotations, logy, colors)
+    ax.tick_params(axis="x", rotation=30)
     return fig
 
 
@@ -55,16 +63,10 @@ def plot_vs_peers(
     with the `target` ratio as a dashed line."""
     sweep = len(counts) > 1
     fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(12 if sweep else 6.5, 4.8), squeeze=False)
-    ax = axes[0][0]
-    bars = ax.bar([row["name"] for row in headline], [row["tokens_per_second"] for row in headline], color=colors)
-    for i, (bar, row) in enumerate(zip(bars, headline)):
-        text = f"{row['tokens_per_second']:,.0f} tok/s" + (f"\nminivllm is {row['speedup']:.2f}× this" if i else "")
-        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                    fontsize=8, xytext=(0, 2), textcoords="offset points")
-    ax.set_ylim(top=1.25 * max(row["tokens_per_second"] for row in headline))
-    ax.set_ylabel("useful output tokens / s")
-    ax.set_title(headline_title, fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
+    draw_bars(axes[0][0], [row["name"] for row in headline], [row["tokens_per_second"] for row in headline],
+              "useful output tokens / s", headline_title,
+              [f"{row['tokens_per_second']:,.0f} tok/s" + (f"\nminivllm is {row['speedup']:.2f}× this" if i else "")
+               for i, row in enumerate(headline)], colors=colors)
     if sweep:
         ax = axes[0][1]
         for (peer, values), color in zip(speedups.items(), colors[1:]):
