@@ -2,8 +2,6 @@
 hides padding, and its waste count agrees with a count done by hand."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -11,17 +9,13 @@ from mask_asserts import assert_mask_equal, mask
 from minivllm.attention.masks import padded_causal_mask
 from minivllm.stages import static_batch
 from minivllm.stages.common import StageStats
+from tiny_models import random_prompts
 
 pytestmark = pytest.mark.ch03
 
 # Lengths far apart in one batch, one-token prompts, and per-prompt output lengths.
 PROMPT_LENS = [1, 37, 5, 1, 60, 12]
 OUTPUT_LENS = [4, 1, 6, 3, 2, 5]
-
-
-def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 97) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 # --- the mask ---------------------------------------------------------------------------

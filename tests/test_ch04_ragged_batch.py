@@ -3,8 +3,6 @@ tokens; its block-diagonal mask, cu_seqlens and per-segment attention match hand
 dense references."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -14,16 +12,12 @@ from minivllm.attention.masks import block_diagonal_mask
 from minivllm.stages import ragged_batch
 from minivllm.stages.common import StageStats
 from minivllm.stages.kv_cache import KVCache
+from tiny_models import random_prompts
 
 pytestmark = pytest.mark.ch04
 
 PROMPT_LENS = [1, 37, 5, 1, 60, 12]
 OUTPUT_LENS = [4, 1, 6, 3, 2, 5]
-
-
-def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 97) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 # --- offsets and the mask -------------------------------------------------------------------

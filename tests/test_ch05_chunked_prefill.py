@@ -2,8 +2,6 @@
 chunk size; the chunk mask and the step planner match hand-built references."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -14,17 +12,13 @@ from minivllm.stages import chunked_prefill
 from minivllm.stages.common import StageStats
 from minivllm.stages.kv_cache import KVCache
 from minivllm.stages.ragged_batch import Segment
+from tiny_models import random_prompts
 
 pytestmark = pytest.mark.ch05
 
 # Prompt 1 is many chunks long at every chunk size below; prompt 0 has one token.
 PROMPT_LENS = [1, 45, 9, 30]
 OUTPUT_LENS = [6, 3, 5, 4]
-
-
-def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 97) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 # --- the chunk mask ----------------------------------------------------------------------------

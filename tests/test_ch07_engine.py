@@ -12,17 +12,13 @@ from minivllm import LLM, LLMEngine, SamplingParams, load_model
 from minivllm.engine.trace import Trace
 from minivllm.stages import STAGES
 from minivllm.stages.common import StageStats
+from tiny_models import random_prompts
 
 pytestmark = pytest.mark.ch07
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # Starvation: 4-token blocks, a pool far smaller than the batch needs at once, a 24-token budget.
 STARVED = dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=24)
-
-
-def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 97) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 PROMPTS = random_prompts([5, 17, 9, 30, 12, 23])

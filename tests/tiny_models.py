@@ -5,6 +5,8 @@ two tokens would otherwise make "same tokens as transformers" a coin toss on rou
 """
 from __future__ import annotations
 
+import random
+
 import torch
 import transformers
 
@@ -46,3 +48,9 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_to
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          min_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 97) -> list[list[int]]:
+    """Seeded random token ids, one prompt per length (97: the tiny models' vocabulary)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]

@@ -7,7 +7,7 @@ import torch
 from matplotlib.patches import Patch
 
 from minivllm.attention.masks import block_diagonal_mask, chunk_mask, padded_causal_mask
-from minivllm.plots.lines import plot_series
+from minivllm.plots.lines import doubling_axis, draw_bars, plot_series
 from minivllm.plots.masks import HIDDEN, draw_mask
 
 PADDING_KEY, PADDING_QUERY = "#fbd5d5", "#e53e3e"
@@ -140,8 +140,7 @@ def plot_waste_vs_batch_size(batch_sizes: list[int], waste: list[float], kv_util
                 "Useful throughput")
     right.set_ylim(bottom=0)
     for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+        doubling_axis(ax, batch_sizes)
     fig.suptitle(f"Static batching\n{subtitle}", fontsize=10)
     fig.tight_layout()
     return fig
@@ -152,13 +151,8 @@ def plot_ragged_vs_static(names: list[str], tokens_per_second: list[float], toke
     """Left: useful throughput per stage. Right: memory of attention over T flat tokens."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     kinds = {"static": PADDING_QUERY, "ragged": SEQUENCE_COLORS[0]}  # by the name's first word
-    bars = left.bar(names, tokens_per_second, color=[kinds.get(n.split()[0], "#a0aec0") for n in names])
-    for bar, value in zip(bars, tokens_per_second):
-        left.annotate(f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                      va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
-    left.set_ylabel("useful output tokens/s")
-    left.set_title("Useful throughput, same workload")
-    left.grid(axis="y", alpha=0.3)
+    draw_bars(left, names, tokens_per_second, "useful output tokens/s", "Useful throughput, same workload",
+              colors=[kinds.get(n.split()[0], "#a0aec0") for n in names])
     plot_series(right, tokens, {k: [b / 2**20 for b in v] for k, v in bytes_by_series.items()},
                 "T (tokens in the flat run)", "MiB", "Memory of one layer's attention", logy=True)
     right.set_xscale("log", base=2)
@@ -180,8 +174,7 @@ def plot_chunk_sweep(chunk_sizes: list[int], peak_score_mib: list[float], ttft: 
     plot_series(right, chunk_sizes, ttft, "chunk size (tokens)", "seconds", "Time to first token")
     right.set_ylim(bottom=0)
     for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(chunk_sizes, [str(c) for c in chunk_sizes])
+        doubling_axis(ax, chunk_sizes)
     fig.suptitle(f"Chunked prefill\n{subtitle}", fontsize=10)
     fig.tight_layout()
     return fig

@@ -5,6 +5,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 
+from minivllm.plots.lines import doubling_axis
+
 EMPTY = "#f0f0f0"
 PARTITION_COLORS = ["#2b6cb0", "#dd6b20", "#38a169", "#805ad5", "#d53f8c", "#319795", "#b7791f", "#718096"]
 
@@ -61,8 +63,7 @@ def plot_bandwidth(x: list[int], seconds: dict[str, list[float | None]], bandwid
     right.axhline(ceiling, color="black", linestyle="--", linewidth=1, label=f"copy bandwidth {ceiling:,.0f} GB/s")
     right.axhline(0.7 * ceiling, color="grey", linestyle=":", linewidth=1, label="70 % of copy")
     for ax, ylabel in ((left, "time per call (ms)"), (right, "achieved bandwidth (GB/s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(x, [f"{v:,}" for v in x])
+        doubling_axis(ax, x, [f"{v:,}" for v in x])
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -21,6 +21,12 @@ def plot_series(
     ax.legend()
 
 
+def doubling_axis(ax: Axes, ticks: list[float], labels: list[str] | None = None) -> None:
+    """A log2 x axis labelled at `ticks`: for sweeps whose values double (batch sizes, chunk sizes)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, labels or [f"{t:g}" for t in ticks])
+
+
 def draw_bars(
     ax: Axes, names: list[str], values: list[float], ylabel: str, title: str, annotations: list[str] | None = None,
     logy: bool = False, colors: list[str] | None = None,
@@ -75,8 +81,7 @@ def plot_vs_peers(
                 ax.annotate(f"{y:.2f}×", (x, y), fontsize=8, xytext=(5, -3), textcoords="offset points")
         ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}×")
         ax.axhline(1, color="black", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(counts, [str(c) for c in counts])
+        doubling_axis(ax, counts)
         ax.set_xlim(counts[0] / 1.3, counts[-1] * 1.3)
         ax.set_ylim(0, 1.2 * max(max(v) for v in speedups.values()))
         ax.set_xlabel("requests in the workload (all arrive at once)")

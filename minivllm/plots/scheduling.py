@@ -6,6 +6,8 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
+from minivllm.plots.lines import doubling_axis
+
 # One colour per timeline code (see engine/trace.py): idle, waiting, stalled, prefill, decode, preempted.
 TIMELINE_COLORS = ["#ffffff", "#d9d9d9", "#f6e05e", "#2b6cb0", "#38a169", "#e53e3e"]
 PREFILL_COLOR, DECODE_COLOR = TIMELINE_COLORS[3], TIMELINE_COLORS[4]
@@ -64,8 +66,7 @@ def plot_latency_vs_rate(rates: list[float], results: dict[str, list[dict]], tit
     throughput.set_ylabel("tokens / s")
     for ax in axes:
         ax.set_xlabel("request rate (requests / s)")
-        ax.set_xscale("log", base=2)  # rates usually double from one run to the next
-        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        doubling_axis(ax, rates)  # rates usually double from one run to the next
         ax.minorticks_off()
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
