@@ -14,6 +14,8 @@ Same model weights, same prompts, same output lengths (greedy, EOS ignored), tim
 With several request counts, each count is its own seeded workload, measured the same way: static
 batching loses more as the number of requests grows, because every batch of 16 runs to its own
 longest output while continuous batching runs all requests side by side.
+One more, traced, minivllm run on the headline workload shows where the engine's time goes: seconds
+spent in prefill steps and in decode steps of each batch size.
 Writes benchmarks/results/07_vs_transformers_<device>.json and figures/07_vs_transformers.png.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+from rich.table import Table
 
 from minivllm import LLM, SamplingParams, plots
 from minivllm.bench import (
@@ -37,6 +40,7 @@ from minivllm.bench import (
     make_workload,
     save_results,
 )
+from minivllm.engine.trace import StepRecord, Trace
 from minivllm.peers import (
     hf_generate_batch,
     hf_static_generate,
@@ -53,6 +57,42 @@ NOTES = {
 }
 COLORS = {OURS: "#2b6cb0", STATIC: "#dd6b20", CONTINUOUS: "#38a169"}
 TARGET = 3.0  # the speed-up chapter 7 aims for over both peers on the classroom workload
+DECODE_SIZES = ((1, 1), (2, 4), (5, 16), (17, 64), (65, None))  # batch sizes of decode steps, grouped
+
+
+def step_kind(step: StepRecord) -> str:
+    if step.num_prefill_tokens:
+        return "prefill (and any decodes beside it)"
+    n = len(step.decode)
+    low, high = next((low, high) for low, high in DECODE_SIZES if high is None or n <= high)
+    if low == high:
+        return f"decode, {n} request"
+    return f"decode, {low}–{high} requests" if high else f"decode, {low}+ requests"
+
+
+def where_time_goes(generate: Any, llm: LLM, work: Workload) -> list[dict]:
+    """Run minivllm once more with a trace and add up its steps' seconds by kind of step: which
+    steps an engine must speed up to go faster on this workload."""
+    llm.trace = Trace()
+    generate(work.prompts, work.output_lens)
+    steps, llm.trace = llm.trace.steps, None
+    total = sum(s.seconds for s in steps)
+    kinds: dict[str, list[StepRecord]] = {}
+    for step in steps:
+        kinds.setdefault(step_kind(step), []).append(step)
+    rows = []
+    for kind, group in kinds.items():
+        seconds = sum(s.seconds for s in group)
+        rows.append(dict(kind=kind, steps=len(group), tokens=sum(s.num_tokens for s in group), seconds=seconds,
+                         ms_per_step=1e3 * seconds / len(group), share_of_time=seconds / total))
+    table = Table(title=f"where minivllm's time goes, {len(work.prompts)} requests (one traced run)")
+    for column in ("kind of step", "steps", "tokens", "seconds", "ms per step", "share of time"):
+        table.add_column(column, justify="left" if column == "kind of step" else "right")
+    for row in rows:
+        table.add_row(row["kind"], str(row["steps"]), f"{row['tokens']:,}", f"{row['seconds']:.3f}",
+                      f"{row['ms_per_step']:.2f}", f"{row['share_of_time']:.0%}")
+    console.print(table)
+    return rows
 
 
 def measure(runners: dict[str, Any], work: Workload, args: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -126,10 +166,13 @@ def main() -> None:
                          rows=measure(runners, work, args, model.device)))
     # The headline is the workload's standard size when it was measured, else the largest count.
     headline = next((run for run in runs if run["workload"]["requests"] == own_count), runs[-1])
+    work = make_workload(args.workload, model.config.vocab_size, seed=args.seed,
+                         num_requests=headline["workload"]["requests"])
+    steps = where_time_goes(minivllm_generate, llm, work)
 
     env = environment(model)
     payload = dict(environment=env, static_batch_size=args.batch_size, target_speedup=TARGET,
-                   headline_requests=headline["workload"]["requests"], runs=runs,
+                   headline_requests=headline["workload"]["requests"], runs=runs, minivllm_steps=steps,
                    created=time.strftime("%Y-%m-%d %H:%M:%S"))
     path = save_results(f"07_vs_transformers_{model.device.type}", payload)
     subtitle = (f"{args.workload} workload, {env['model']['model_type']} {env['model']['parameters'] / 1e6:.1f}M params, "
