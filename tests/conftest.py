@@ -27,6 +27,14 @@ def hf_model(hf_models, family):
 
 
 @pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, hf_models):
+    """The tiny Qwen3 model saved as a checkpoint folder, for scripts that take --model."""
+    folder = tmp_path_factory.mktemp("tiny_qwen3")
+    hf_models["qwen3"].save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def model(hf_model):
     """minivllm's Decoder with the same weights as `hf_model` (fp32, CPU)."""
     return minivllm.load_model(hf_model, device="cpu")

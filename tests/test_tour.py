@@ -11,13 +11,6 @@ from minivllm.cli import main
 from minivllm.tour import agreement
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory, hf_models):
-    folder = tmp_path_factory.mktemp("tiny_qwen3")
-    hf_models["qwen3"].save_pretrained(folder)
-    return folder
-
-
 def test_tour_writes_json_and_figure(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # results and figures land in the temporary folder
     stages = "naive,kv_cache,static_batch,ragged_batch"

@@ -1,0 +1,34 @@
+"""The engine benchmark on a tiny workload: it runs, every runner produces transformers' tokens, and the
+traced run's steps account for exactly the tokens the workload needs computed."""
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "continuous_vs_transformers.py"
+
+
+def test_engine_benchmark_writes_json_and_figure(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # results and figures land in the temporary folder
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARK), "--model", str(tiny_checkpoint), "--workload", "tiny",
+                                      "--requests", "3", "8", "--repeats", "1", "--device", "cpu"])
+    runpy.run_path(str(BENCHMARK), run_name="__main__")
+    payload = json.loads((tmp_path / "benchmarks/results/07_vs_transformers_cpu.json").read_text())
+    assert (tmp_path / "figures/07_vs_transformers.png").stat().st_size > 10_000
+    assert [run["workload"]["requests"] for run in payload["runs"]] == [3, 8]
+    for run in payload["runs"]:
+        n = run["workload"]["requests"]
+        for row in run["rows"]:
+            assert row["same_tokens_as_minivllm"] == f"{n}/{n}", row["name"]
+            assert row["useful_tokens"] == sum(run["workload"]["output_lens"])
+    # The traced run is the headline workload (tiny's own 8 requests). Without preemption each
+    # request computes its prompt once and then one decode token per output token but the first,
+    # which its prompt's last position already predicted.
+    headline = next(run for run in payload["runs"] if run["workload"]["requests"] == payload["headline_requests"])
+    prompt_lens, output_lens = headline["workload"]["prompt_lens"], headline["workload"]["output_lens"]
+    steps = payload["minivllm_steps"]
+    assert sum(kind["tokens"] for kind in steps) == sum(prompt_lens) + sum(output_lens) - len(prompt_lens)
+    assert abs(sum(kind["share_of_time"] for kind in steps) - 1) < 1e-9
+    assert steps[0]["kind"].startswith("prefill")
