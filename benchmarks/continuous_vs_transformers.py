@@ -157,18 +157,16 @@ def main() -> None:
     warm = make_workload(args.workload, model.config.vocab_size, seed=args.seed, num_requests=2)
     for run in runners.values():  # warm-up: first calls pay for allocation and kernel caches
         run(warm.prompts, [4, 4])
+    works = {n: make_workload(args.workload, model.config.vocab_size, seed=args.seed, num_requests=n) for n in counts}
     runs = []
-    for n in counts:
-        work = make_workload(args.workload, model.config.vocab_size, seed=args.seed, num_requests=n)
+    for n, work in works.items():
         console.print(f"[bold]workload[/] {work.describe()}")
         runs.append(dict(workload=dict(name=work.name, requests=n, description=work.describe(), seed=args.seed,
                                        prompt_lens=[len(p) for p in work.prompts], output_lens=work.output_lens),
                          rows=measure(runners, work, args, model.device)))
     # The headline is the workload's standard size when it was measured, else the largest count.
     headline = next((run for run in runs if run["workload"]["requests"] == own_count), runs[-1])
-    work = make_workload(args.workload, model.config.vocab_size, seed=args.seed,
-                         num_requests=headline["workload"]["requests"])
-    steps = where_time_goes(minivllm_generate, llm, work)
+    steps = where_time_goes(minivllm_generate, llm, works[headline["workload"]["requests"]])
 
     env = environment(model)
     payload = dict(environment=env, static_batch_size=args.batch_size, target_speedup=TARGET,
