@@ -9,7 +9,6 @@ a table and benchmarks/results/03_static_batching.json.
 """
 from __future__ import annotations
 
-import random
 
 import torch
 from rich.progress import track
@@ -19,17 +18,9 @@ from minivllm.bench import (chapter_parser, console, environment, load_for_chapt
                             run_stage, save_results)
 from minivllm.plots.batching import plot_padded_mask, plot_waste_vs_batch_size
 from minivllm.stages import kv_cache, static_batch
-from minivllm.text import DEMO_PROMPTS, show_sample
+from minivllm.text import demo_prompts, show_sample
 
 MASK_LENGTHS = [5, 2, 7]  # small enough to label every cell
-
-
-def sample_prompts(tokenizer, vocab_size: int) -> list[list[int]]:
-    """Prompts of different lengths: text if the model has a tokenizer, random ids if not."""
-    if tokenizer is not None:
-        return [tokenizer.encode(t) for t in DEMO_PROMPTS]
-    rng = random.Random(0)
-    return [[rng.randrange(vocab_size) for _ in range(n)] for n in (5, 2, 11)]
 
 
 def main() -> None:
@@ -40,7 +31,7 @@ def main() -> None:
     model = load_for_chapter(args)
     tokenizer = load_tokenizer(args.model)
 
-    prompts = sample_prompts(tokenizer, model.config.vocab_size)
+    prompts = demo_prompts(tokenizer, model.config.vocab_size)
     batched = static_batch.generate(model, prompts, 24, batch_size=len(prompts))
     for i, (prompt, out) in enumerate(zip(prompts, batched)):
         show_sample(tokenizer, prompt, out, title=f"row {i} of one padded batch ({len(prompt)} prompt tokens)")

@@ -10,7 +10,6 @@ benchmarks/results/04_ragged_batching.json.
 """
 from __future__ import annotations
 
-import random
 
 import torch
 from rich.progress import track
@@ -20,17 +19,9 @@ from minivllm.bench import (chapter_parser, console, environment, format_bytes, 
                             results_table, run_stage, save_results)
 from minivllm.plots.batching import plot_padded_vs_ragged, plot_ragged_vs_static
 from minivllm.stages import kv_cache, ragged_batch, static_batch
-from minivllm.text import DEMO_PROMPTS, show_sample
+from minivllm.text import demo_prompts, show_sample
 
 MASK_LENGTHS = [5, 2, 7]  # the same prompts as chapter 3's picture
-
-
-def sample_prompts(tokenizer, vocab_size: int) -> list[list[int]]:
-    """Prompts of different lengths: text if the model has a tokenizer, random ids if not."""
-    if tokenizer is not None:
-        return [tokenizer.encode(t) for t in DEMO_PROMPTS]
-    rng = random.Random(0)
-    return [[rng.randrange(vocab_size) for _ in range(n)] for n in (5, 2, 11)]
 
 
 def attention_memory(num_heads: int, segment_len: int, tokens: list[int]) -> dict[str, list[float]]:
@@ -53,7 +44,7 @@ def main() -> None:
     model = load_for_chapter(args)
     tokenizer = load_tokenizer(args.model)
 
-    prompts = sample_prompts(tokenizer, model.config.vocab_size)
+    prompts = demo_prompts(tokenizer, model.config.vocab_size)
     ragged = ragged_batch.generate(model, prompts, 24, batch_size=len(prompts))
     for i, (prompt, out) in enumerate(zip(prompts, ragged)):
         show_sample(tokenizer, prompt, out, title=f"segment {i} of one flat run ({len(prompt)} prompt tokens)")

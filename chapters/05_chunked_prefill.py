@@ -10,7 +10,6 @@ whole-prompt prefill, with a table and benchmarks/results/05_chunked_prefill.jso
 """
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 
@@ -26,7 +25,7 @@ from minivllm.plots.batching import plot_chunk_masks, plot_chunk_sweep
 from minivllm.stages import chunked_prefill, kv_cache, ragged_batch
 from minivllm.stages.common import StageStats
 from minivllm.stages.ragged_batch import Step
-from minivllm.text import encode_or_random, show_sample
+from minivllm.text import encode_or_random, random_prompts, show_sample
 
 TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Print every file under the folders named in argv.\"\"\"\n"
 
@@ -63,8 +62,7 @@ def timed_run(
 
 def print_small_run(model, chunk_size: int, budget: int) -> None:
     """The plan of every step of a tiny run: decodes and prefill chunks sharing the budget."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (3, 14, 9)]
+    prompts = random_prompts([3, 14, 9], model.config.vocab_size)
     table = Table(title=f"Three prompts (3, 14, 9 tokens), 4 outputs each, chunk_size {chunk_size}, "
                         f"max_num_batched_tokens {budget}")
     for column in ("step", "tokens", "segments: request (tokens already cached + tokens run)", "sampled"):

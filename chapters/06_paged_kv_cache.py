@@ -10,7 +10,6 @@ holds real tokens and how many requests fit at once under four cache policies
 """
 from __future__ import annotations
 
-import random
 import time
 
 import torch
@@ -24,16 +23,15 @@ from minivllm.kv_memory import compare
 from minivllm.plots.paging import plot_block_tables, plot_kv_utilisation
 from minivllm.stages import kv_cache, paged
 from minivllm.stages.common import StageStats
-from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
+from minivllm.text import DEMO_PROMPT, encode_or_random, random_prompts, show_sample
 
 PAPER = "vLLM paper (arXiv 2309.06180): reservation-based systems 20.4–38.2 % of KV memory used, paging < 4 % waste"
 
 
 def block_table_picture(model, seed: int) -> plots.Figure:
     """Six requests, 4-token blocks, a 32-block pool: the step where the pool is fullest."""
-    rng = random.Random(seed)
     prompt_lens, output_lens, block_size, num_blocks = [13, 5, 22, 9, 17, 3], [12, 20, 6, 15, 9, 18], 4, 32
-    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in prompt_lens]
+    prompts = random_prompts(prompt_lens, model.config.vocab_size, seed)
     runs = list(paged.steps(model, prompts, output_lens, block_size, num_blocks, chunk_size=8,
                             max_num_batched_tokens=16))
     i, fullest = max(enumerate(runs), key=lambda s: sum(map(len, s[1].block_tables.values())))

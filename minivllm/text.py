@@ -21,11 +21,24 @@ DEMO_PROMPTS = [
 ]
 
 
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random token ids, one prompt per length."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
 def encode_or_random(tokenizer: Any | None, text: str, vocab_size: int, seed: int = 0) -> list[int]:
+    """The text's token ids, or 8 random ids when there is no tokenizer."""
     if tokenizer is not None:
         return tokenizer.encode(text)
-    rng = random.Random(seed)
-    return [rng.randrange(vocab_size) for _ in range(8)]
+    return random_prompts([8], vocab_size, seed)[0]
+
+
+def demo_prompts(tokenizer: Any | None, vocab_size: int) -> list[list[int]]:
+    """Prompts of different lengths: DEMO_PROMPTS if there is a tokenizer, random ids if not."""
+    if tokenizer is not None:
+        return [tokenizer.encode(t) for t in DEMO_PROMPTS]
+    return random_prompts([5, 2, 11], vocab_size)
 
 
 def decode(tokenizer: Any | None, ids: list[int]) -> str:

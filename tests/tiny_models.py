@@ -5,10 +5,10 @@ two tokens would otherwise make "same tokens as transformers" a coin toss on rou
 """
 from __future__ import annotations
 
-import random
-
 import torch
 import transformers
+
+from minivllm import text
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               max_position_embeddings=256, initializer_range=0.2, eos_token_id=None, bos_token_id=None)
@@ -51,6 +51,5 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_to
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 97) -> list[list[int]]:
-    """Seeded random token ids, one prompt per length (97: the tiny models' vocabulary)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    """minivllm.text.random_prompts over the tiny models' vocabulary of 97."""
+    return text.random_prompts(lengths, vocab, seed)
