@@ -39,6 +39,8 @@ from minivllm.bench import (
     load_for_chapter,
     make_workload,
     save_results,
+    synchronize,
+    useful_tokens,
 )
 from minivllm.engine.trace import StepRecord, Trace
 from minivllm.peers import (
@@ -104,15 +106,14 @@ def measure(runners: dict[str, Any], work: Workload, args: argparse.Namespace, d
             with console.status(f"{len(work.prompts)} requests, run {repeat + 1}/{args.repeats}: {name}"):
                 start = time.perf_counter()
                 outputs[name] = run(work.prompts, work.output_lens)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                synchronize(device)
                 seconds[name].append(time.perf_counter() - start)
     needed, padded = token_positions(work.prompts, work.output_lens, args.batch_size)
     work_done = {OURS: needed, STATIC: padded, CONTINUOUS: needed}
     rows = []
     for name in runners:
         median = statistics.median(seconds[name])
-        useful = sum(min(len(o), n) for o, n in zip(outputs[name], work.output_lens))
+        useful = useful_tokens(outputs[name], work.output_lens)
         same = sum(a == b for a, b in zip(outputs[name], outputs[OURS]))
         rows.append(dict(name=name, seconds=seconds[name], median_seconds=median, useful_tokens=useful,
                          tokens_per_second=useful / median, same_tokens_as_minivllm=f"{same}/{len(work.prompts)}",

@@ -14,7 +14,7 @@ import torch
 from minivllm.model import Decoder
 
 
-def _greedy_config(hf_model: Any, max_new_tokens: int) -> Any:
+def _greedy_config(max_new_tokens: int) -> Any:
     """A GenerationConfig that is greedy and never stops early (no EOS)."""
     from transformers import GenerationConfig
 
@@ -46,7 +46,7 @@ def hf_static_generate(hf_model: Any, prompts: list[list[int]], output_lens: lis
         width = max(len(p) for p in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, generation_config=_greedy_config(hf_model, max(lens)))
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, generation_config=_greedy_config(max(lens)))
         outputs += [row[width:width + n].tolist() for row, n in zip(out, lens)]
     return outputs
 
@@ -66,7 +66,7 @@ def hf_generate_batch(
     page = ContinuousBatchingConfig().page_size  # tokens per block
     blocks = sum(-(-(len(p) + n) // page) for p, n in zip(prompts, output_lens))
     cb_config = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=max_batch_tokens)
-    config = _greedy_config(hf_model, max(output_lens))
+    config = _greedy_config(max(output_lens))
     results: dict[str, list[int]] = {}
     # Its logger warns that EOS is unset and psutil missing on every call: both are expected
     # here (no EOS on purpose, the cache sized explicitly), so keep them off the console.

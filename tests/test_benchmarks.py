@@ -30,5 +30,4 @@ def test_engine_benchmark_writes_json_and_figure(tiny_checkpoint, tmp_path, monk
     prompt_lens, output_lens = headline["workload"]["prompt_lens"], headline["workload"]["output_lens"]
     steps = payload["minivllm_steps"]
     assert sum(kind["tokens"] for kind in steps) == sum(prompt_lens) + sum(output_lens) - len(prompt_lens)
-    assert abs(sum(kind["share_of_time"] for kind in steps) - 1) < 1e-9
     assert steps[0]["kind"].startswith("prefill")
