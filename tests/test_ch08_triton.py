@@ -188,6 +188,19 @@ ENGINE = dict(block_size=4, num_kv_blocks=32, max_num_batched_tokens=8)
 PROMPTS, LENGTHS = [[5, 17, 9, 30, 12, 23, 3, 41, 7, 66, 2], [88, 4], [19, 60, 33, 8, 71]], [4, 6, 3]
 
 
+def test_engine_refuses_triton_before_allocating_its_kv_pool(kernels, model, monkeypatch):
+    from minivllm.engine import model_runner
+    from minivllm.engine.llm_engine import LLMEngine
+
+    def no_pool(*args):
+        raise AssertionError("the KV pool was allocated before the attention backend was checked")
+
+    monkeypatch.setattr(kernels, "INTERPRETED", False)  # as if TRITON_INTERPRET were unset
+    monkeypatch.setattr(model_runner, "KVPool", no_pool)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        LLMEngine(model, attention="triton", **ENGINE)
+
+
 def test_triton_stage_matches_transformers(kernels, model, hf_model, reference):
     from minivllm.stages import STAGES
 

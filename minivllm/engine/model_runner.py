@@ -20,8 +20,9 @@ from minivllm.model import Decoder
 class ModelRunner:
     def __init__(self, model: Decoder, num_blocks: int, block_size: int, attention: str = "torch"):
         self.model = model
+        # Checked before the pool is allocated: an attention backend that cannot run here fails at once.
+        self.attention_class = paged_attention_class(attention, model.device, model.dtype)
         self.pool = KVPool(model, num_blocks, block_size)
-        self.attention_class = paged_attention_class(attention)
 
     @torch.inference_mode()
     def run(self, schedule: SchedulerOutput) -> tuple[list[int], torch.Tensor]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm.attention.triton_paged import load_kernels
 from minivllm.model import Decoder
 from minivllm.stages import continuous
 from minivllm.stages.common import StageStats
@@ -22,5 +21,4 @@ def generate(
 ) -> list[list[int]]:
     """Greedy continuations through the engine with Triton attention; engine_options as in
     continuous.generate (block_size, num_kv_blocks, max_num_batched_tokens, ...)."""
-    load_kernels(model.device, model.dtype)  # fail before building an engine if Triton cannot run here
     return continuous.generate(model, prompts, max_new_tokens, stats=stats, attention="triton", **engine_options)
