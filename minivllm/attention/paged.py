@@ -16,8 +16,8 @@ each sequence's queries attend to its cached past through its block table.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -56,10 +56,11 @@ class PagedBatch:
     through block_tables[s] (padded with -1, never read past context_lens[s])."""
 
     query_lens: list[int]
+    query_start: list[int]  # [S + 1], cumulative query_lens (cu_seqlens)
     context_lens: list[int]
     block_tables: torch.Tensor  # [S, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K and V are written
-    query_start: torch.Tensor  # [S + 1] int32, cumulative query_lens (cu_seqlens)
+    query_start_tensor: torch.Tensor  # [S + 1] int32, query_start on the device
     context_lens_tensor: torch.Tensor  # [S] int32, context_lens on the device
 
     @classmethod
@@ -77,12 +78,12 @@ class PagedBatch:
             starts.append(starts[-1] + q)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
-            query_lens, context_lens, torch.tensor(padded, **i32),
+            query_lens, starts, context_lens, torch.tensor(padded, **i32),
             torch.tensor(slots, dtype=torch.int64, device=device), torch.tensor(starts, **i32),
             torch.tensor(context_lens, **i32),
         )
 
-    @property
+    @cached_property  # read by every layer
     def is_decode(self) -> bool:
         """Every sequence brings exactly one new token (the common case once prompts are in)."""
         return all(q == 1 for q in self.query_lens)
@@ -141,7 +142,7 @@ class PagedAttention:
     def __init__(self, pool: KVPool, batch: PagedBatch):
         self.pool, self.batch = pool, batch
         device = pool.k.device
-        starts = [0, *itertools.accumulate(batch.query_lens)]  # host copy of query_start, no device read
+        starts = batch.query_start  # the host copy: reading the device one back would wait for the GPU
         decodes = [s for s, q_len in enumerate(batch.query_lens) if q_len == 1]
         self.decode_rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long, device=device)
         self.decode_tables = batch.block_tables[decodes]

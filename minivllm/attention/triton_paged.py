@@ -70,5 +70,5 @@ class TritonPagedAttention:
         if batch.is_decode:
             return self.kernels.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens_tensor,
                                              self.max_context_len)
-        return self.kernels.paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.query_start,
+        return self.kernels.paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.query_start_tensor,
                                           batch.context_lens_tensor, self.max_query_len)

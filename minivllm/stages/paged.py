@@ -91,7 +91,7 @@ def run_step(
     hidden = model(as_tensor(ids, model.device), as_tensor(positions, model.device), PagedAttention(pool, batch))
     for s, n in zip(seqs, num_new):
         s.num_cached += n
-    return hidden[batch.query_start[1:].long() - 1]
+    return hidden[batch.query_start_tensor[1:].long() - 1]
 
 
 def record_step(live: list[PagedSequence], blocks: BlockManager, num_tokens: int, stats: StageStats | None) -> None:
