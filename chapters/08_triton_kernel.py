@@ -18,6 +18,7 @@ Head layout: Qwen3-0.6B's (16 query heads, 8 KV heads, head_dim 128), bf16 on th
 """
 from __future__ import annotations
 
+import functools
 import os
 import random
 from statistics import median
@@ -62,6 +63,16 @@ def make_decode_problem(context_lens: list[int], device: torch.device, dtype: to
     )
 
 
+def decode_args(problem: dict[str, Any]) -> list[torch.Tensor]:
+    """A problem's tensors in paged_decode's argument order (all but max_context_len)."""
+    return [problem[n] for n in ("q", "k_cache", "v_cache", "block_tables", "context_lens")]
+
+
+def decode_bytes(batch: int, context: int, dtype: torch.dtype) -> int:
+    """The bytes a decode step must move: every sequence's K and V, plus its query and output."""
+    return (2 * batch * context * KV_HEADS + 2 * batch * HEADS) * HEAD_DIM * dtype.itemsize
+
+
 def one_layer_pool(num_blocks: int, device: torch.device, dtype: torch.dtype) -> Any:
     """A one-layer KVPool of BLOCK_SIZE-token blocks with the same random contents each call
     (KVPool only reads the model's shape, device and dtype, so a stand-in does)."""
@@ -100,16 +111,15 @@ def narrate(dtype: torch.dtype) -> None:
     from minivllm.bench import format_bytes
     from minivllm.plots.kernels import plot_paged_tiles
 
-    element = torch.tensor([], dtype=dtype).element_size()
     batch, context = TARGET
-    per_token = 2 * KV_HEADS * HEAD_DIM * element
+    per_token = 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
     step_bytes = batch * context * per_token
     console.rule("[bold]1. What decode attention reads")
     console.print(
         f"Qwen3-0.6B's layout: {HEADS} query heads share {KV_HEADS} KV heads of {HEAD_DIM} dims. One layer's K and V "
         f"take {format_bytes(per_token)} per token ({str(dtype).removeprefix('torch.')}), so a decode step at batch "
         f"{batch} × {context:,} tokens reads {format_bytes(step_bytes)} per layer. Each K/V element feeds "
-        f"{HEADS // KV_HEADS} query heads: about {2 * HEADS // KV_HEADS / element:.0f} FLOP per byte, far below the "
+        f"{HEADS // KV_HEADS} query heads: about {2 * HEADS // KV_HEADS / dtype.itemsize:.0f} FLOP per byte, far below the "
         f"~300 FLOP/byte where an H100 stops waiting for memory. Decode attention is a memory read; its speed limit "
         f"is the copy bandwidth of the GPU.")
     console.print(
@@ -143,12 +153,12 @@ def check(kernels: Any, device: torch.device, dtype: torch.dtype) -> dict[str, f
     # The interpreter runs every program in Python: tiny on the CPU, realistic on the GPU.
     contexts = [1, 17, 300, 4096, 1500, 2049, 64, 777] if on_gpu else [1, 17, 300]
     problem = make_decode_problem(contexts, device, dtype)
-    args = [problem[n] for n in ("q", "k_cache", "v_cache", "block_tables", "context_lens")]
-    got = kernels.paged_decode(*args, max(contexts))
+    args = decode_args(problem)
+    got, torch_out = kernels.paged_decode(*args, max(contexts)), paged_decode(*args, max(contexts))
     expected = reference_decode(problem)
-    errors = dict(decode_vs_torch=(got - paged_decode(*args, max(contexts))).abs().max().item(),
+    errors = dict(decode_vs_torch=(got - torch_out).abs().max().item(),
                   decode_vs_float64=(got.double() - expected).abs().max().item(),
-                  torch_paged_vs_float64=(paged_decode(*args, max(contexts)).double() - expected).abs().max().item())
+                  torch_paged_vs_float64=(torch_out.double() - expected).abs().max().item())
 
     # A mixed step through both attention classes: prompt chunks after cached pasts, decodes.
     past_lens, query_lens = ([0, 700, 33, 2000], [513, 1, 200, 1]) if on_gpu else ([0, 9, 40], [21, 1, 13])
@@ -212,7 +222,7 @@ def decode_methods(kernels: Any, problem: dict[str, Any], max_context: int, skip
     """The decode attentions to time on one problem, as zero-argument callables."""
     from minivllm.attention.paged import gather_kv, paged_decode
 
-    args = [problem[n] for n in ("q", "k_cache", "v_cache", "block_tables", "context_lens")]
+    args = decode_args(problem)
     methods: dict[str, Callable] = {
         "triton (paged, in place)": lambda: kernels.paged_decode(*args, max_context),
         "PyTorch paged (gather, then attend)": lambda: paged_decode(*args, max_context),
@@ -240,32 +250,27 @@ def decode_methods(kernels: Any, problem: dict[str, Any], max_context: int, skip
     return methods
 
 
-_FLEX: list = []
-
-
+@functools.cache
 def compiled_flex_attention() -> Callable | None:
     """torch.compile(flex_attention) where this PyTorch has it (2.5+), else None."""
-    if not _FLEX:
-        try:
-            from torch.nn.attention.flex_attention import flex_attention
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
 
-            _FLEX.append(torch.compile(flex_attention))  # recompiles as shapes change, then goes dynamic
-        except (ImportError, RuntimeError) as error:
-            console.print(f"[yellow]FlexAttention unavailable: {error}")
-            _FLEX.append(None)
-    return _FLEX[0]
+        return torch.compile(flex_attention)  # recompiles as shapes change, then goes dynamic
+    except (ImportError, RuntimeError) as error:
+        console.print(f"[yellow]FlexAttention unavailable: {error}")
+        return None
 
 
 def decode_sweep(kernels: Any, device: torch.device, dtype: torch.dtype, points: list[tuple[int, int]],
                  skip_flex: bool) -> dict[str, dict[str, list[float | None]]]:
     """Seconds and GB/s of every method at each (batch, context) point. Bytes counted are the
     ones a decode step must move: the real context's K and V, plus q and the output."""
-    element = torch.tensor([], dtype=dtype).element_size()
     seconds: dict[str, list[float | None]] = {}
     bandwidth: dict[str, list[float | None]] = {}
     for i, (batch, context) in enumerate(points):
         problem = make_decode_problem([context] * batch, device, dtype, seed=i)
-        useful = (2 * batch * context * KV_HEADS + 2 * batch * HEADS) * HEAD_DIM * element
+        useful = decode_bytes(batch, context, dtype)
         for name, fn in decode_methods(kernels, problem, context, skip_flex).items():
             try:
                 t = cuda_seconds(fn)
@@ -285,8 +290,8 @@ def tile_sweep(kernels: Any, device: torch.device, dtype: torch.dtype, copy_gbs:
     """The decode kernel's tile sizes at the target shape: what the defaults leave on the table."""
     batch, context = TARGET
     problem = make_decode_problem([context] * batch, device, dtype)
-    args = [problem[n] for n in ("q", "k_cache", "v_cache", "block_tables", "context_lens")]
-    useful = (2 * batch * context * KV_HEADS + 2 * batch * HEADS) * HEAD_DIM * torch.tensor([], dtype=dtype).element_size()
+    args = decode_args(problem)
+    useful = decode_bytes(batch, context, dtype)
     rows = []
     for partition_size in (256, 512, 1024):
         for block_n in (32, 64, 128):
