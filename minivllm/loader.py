@@ -139,12 +139,12 @@ def read_config(path: Path) -> ModelConfig:
 
     if not path.exists():
         raise FileNotFoundError(f"no config.json in {str(path.parent)!r}")
-    model_type = json.loads(path.read_text()).get("model_type")  # checked before transformers parses it
+    fields = json.loads(path.read_text())
+    model_type = fields.get("model_type")  # checked before transformers parses the file
     if model_type not in SUPPORTED:
         raise ValueError(f"unsupported model type {model_type!r} in {path}; minivllm supports {', '.join(SUPPORTED)}")
     if path.name == "config.json":
         return config_from_hf(AutoConfig.from_pretrained(str(path.parent)))
-    fields = json.loads(path.read_text())
     return config_from_hf(AutoConfig.for_model(fields.pop("model_type"), **fields))
 
 
