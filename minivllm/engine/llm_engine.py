@@ -159,6 +159,5 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(0, seq.output_token_ids, seq.finish_reason, self.tokenizer)
-        metrics = RequestMetrics(seq.arrival_time, seq.token_times[0] if seq.token_times else None,
-                                 seq.finish_time, seq.num_preemptions)
+        metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, metrics)

@@ -39,7 +39,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length", "stop" or "abort"
     num_preemptions: int = 0
-    token_times: list[float] = field(default_factory=list)  # when each output token was sampled
+    first_token_time: float | None = None  # when its first output token was sampled
     finish_time: float | None = None
     generator: torch.Generator | None = None  # private randomness for sampled requests
 
@@ -75,7 +75,8 @@ class Sequence:
     def append_token(self, token: int, eos_token_ids: set[int], now: float) -> None:
         """Add a sampled token and decide whether the request is done."""
         self.token_ids.append(token)
-        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
         stops = self.params.stop_token_ids
         if token in stops or (token in eos_token_ids and not self.params.ignore_eos):
             self.finish_reason = "stop"  # like vLLM, the stop token stays in the output
