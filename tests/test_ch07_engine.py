@@ -5,6 +5,7 @@ streaming and abort."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -249,3 +250,22 @@ def test_online_simulation_continuous_vs_static(qwen3):
     summary = latency_summary(together)
     assert summary["ttft"]["p50"] <= summary["e2e"]["p50"] and summary["throughput"]["useful_tokens_per_second"] > 0
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_metrics_time_the_first_token_and_the_finish(qwen3):
+    engine = LLMEngine(qwen3[0])
+    for prompt, n in zip(PROMPTS, LENGTHS):
+        engine.add_request(prompt, SamplingParams(max_tokens=n, **GREEDY))
+    first_step: dict[str, tuple[float, float]] = {}  # request -> (before, after) the step of its first token
+    while engine.has_unfinished_requests():
+        before = time.perf_counter()
+        outputs = engine.step()
+        after = time.perf_counter()
+        for out in outputs:
+            start, end = first_step.setdefault(out.request_id, (before, after))
+            m = out.metrics
+            assert m.arrival_time <= start <= m.first_token_time <= end  # every output reports the first token's time
+            assert (m.finished_time is not None) == out.finished
+            if out.finished:
+                assert before <= m.finished_time <= after
+    assert len(first_step) == len(PROMPTS)
