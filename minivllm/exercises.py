@@ -311,16 +311,6 @@ def signature(ex: Exercise) -> str:
     return "\n".join(head + [f"{indent}...  # your code here"])
 
 
-def show(chapter: str) -> None:
-    """Print a chapter's exercises: what to write, where, and how to check it (for notebooks)."""
-    for ex in by_chapter()[chapter]:
-        print(f"── {ex.section} ──  {ex.path}")
-        print(f"   {ex.description}\n")
-        print(textwrap.indent(signature(ex), "    "))
-        print()
-    print(f"Check your work from the repository root:  pytest -m {chapter}")
-
-
 # ------------------------------------------------------------------------------------------
 # The command line: `minivllm exercises list | make DIR`
 # ------------------------------------------------------------------------------------------
