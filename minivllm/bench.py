@@ -195,19 +195,28 @@ def results_table(results: list[StageResult], title: str, baseline: str | None =
 def chapter_parser(description: str) -> argparse.ArgumentParser:
     """The command line every chapter script shares."""
     parser = argparse.ArgumentParser(description=description)
+    add_model_arguments(parser)
+    return parser
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --device, --dtype and --seed: what every script and `minivllm tour` run on."""
     parser.add_argument("--model", default=None, help="checkpoint folder, hub id or config.json (default: the embedded model)")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU, bf16 on CUDA")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
-    return parser
+
+
+def dtype_argument(args: argparse.Namespace) -> torch.dtype | None:
+    """--dtype as a torch dtype (None: the device's default)."""
+    return getattr(torch, args.dtype) if args.dtype else None
 
 
 def load_for_chapter(args: argparse.Namespace) -> Decoder:
     """Load the model named on a chapter's command line and say what was loaded."""
     from minivllm.loader import load_model
 
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_model(args.model, device=args.device, dtype=dtype)
+    model = load_model(args.model, device=args.device, dtype=dtype_argument(args))
     cfg = model.config
     console.print(f"[bold]model[/] {args.model or 'embedded default'} ({cfg.model_type}, "
                   f"{cfg.num_parameters() / 1e6:.1f}M parameters) on {device_name(model.device)}, "

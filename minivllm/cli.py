@@ -5,13 +5,13 @@ import argparse
 
 import torch
 
-from minivllm.bench import WORKLOADS
+from minivllm.bench import WORKLOADS, add_model_arguments, dtype_argument
 
 
 def _tour(args: argparse.Namespace) -> None:
     from minivllm.tour import markdown_table, run_tour
 
-    payload = run_tour(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+    payload = run_tour(args.model, device=args.device, dtype=dtype_argument(args),
                        workload=args.workload, stages=args.stages.split(",") if args.stages else None,
                        num_requests=args.requests, seed=args.seed, check=args.check, figure=args.figure,
                        peers=not args.no_peers)
@@ -24,13 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     tour = commands.add_parser("tour", help="every stage on one workload: table, JSON and figures/ladder.png")
-    tour.add_argument("--model", default=None, help="checkpoint folder, hub id or config.json (default: embedded model)")
-    tour.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
-    tour.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_model_arguments(tour)
     tour.add_argument("--workload", default="classroom", choices=list(WORKLOADS))
     tour.add_argument("--stages", default=None, help="comma-separated subset of the stages (default: all)")
     tour.add_argument("--requests", type=int, default=None, help="override the workload's number of requests")
-    tour.add_argument("--seed", type=int, default=0)
     tour.add_argument("--check", type=int, default=4, help="requests compared with transformers' greedy tokens")
     tour.add_argument("--no-peers", action="store_true", help="skip transformers' generate and generate_batch")
     tour.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for the README)")
