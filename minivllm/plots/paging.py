@@ -6,6 +6,8 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.patches import Patch, Rectangle
 
+from minivllm.plots.lines import draw_bars
+
 FREE = "#d9d9d9"
 COLORS = plt.get_cmap("tab10").colors
 
@@ -79,30 +81,30 @@ def plot_block_tables(
     return fig
 
 
+# The vLLM paper (arXiv 2309.06180): reservation-based systems kept 20.4–38.2 % of their reserved
+# KV memory in real tokens; paging wastes under 4 %.
+PAPER_RESERVED = (0.204, 0.382)
+PAPER_PAGED_WASTE = 0.04
+
+
 def plot_kv_utilisation(
     utilisation: dict[str, float], fit_at_once: dict[str, float], running: dict[str, list[int]], subtitle: str = "",
-    paper_reserved: tuple[float, float] = (0.204, 0.382), paper_paged_waste: float = 0.04,
 ) -> plt.Figure:
     """Left: share of reserved KV memory holding real tokens, per cache policy, against the vLLM
     paper's range. Right: requests running at each step within the same budget."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     names = list(utilisation)
     colors = [COLORS[i % len(COLORS)] for i in range(len(names))]
-    bars = left.bar(names, [100 * u for u in utilisation.values()], color=colors)
-    for bar, u in zip(bars, utilisation.values()):
-        left.annotate(f"{u:.1%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                      fontsize=8, xytext=(0, 2), textcoords="offset points")
-    lo, hi = paper_reserved
+    draw_bars(left, names, [100 * u for u in utilisation.values()], "% of reserved KV slots holding a real token",
+              "KV utilisation (time-averaged over steps)", [f"{u:.1%}" for u in utilisation.values()], colors=colors)
+    lo, hi = PAPER_RESERVED
     left.axhspan(100 * lo, 100 * hi, color="#c53030", alpha=0.12,
                  label=f"vLLM paper: reservation-based systems, {lo:.1%}–{hi:.1%}")
-    left.axhline(100 * (1 - paper_paged_waste), color="#2f855a", ls="--", lw=1,
-                 label=f"vLLM paper: paging wastes under {paper_paged_waste:.0%}")
+    left.axhline(100 * (1 - PAPER_PAGED_WASTE), color="#2f855a", ls="--", lw=1,
+                 label=f"vLLM paper: paging wastes under {PAPER_PAGED_WASTE:.0%}")
     left.set_ylim(0, 105)
-    left.set_ylabel("% of reserved KV slots holding a real token")
-    left.set_title("KV utilisation (time-averaged over steps)", fontsize=10)
     left.tick_params(axis="x", rotation=15, labelsize=8)
     left.legend(fontsize=7, loc="lower right")
-    left.grid(axis="y", alpha=0.3)
     for (name, series), color in zip(running.items(), colors):
         right.plot(range(len(series)), series, color=color, lw=1.2, label=f"{name}: {fit_at_once[name]:.1f} at once")
     right.set_xlabel("step")
