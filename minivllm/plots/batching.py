@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import torch
-from matplotlib.patches import Patch
 
 from minivllm.attention.masks import block_diagonal_mask, chunk_mask, padded_causal_mask
 from minivllm.plots.lines import doubling_axis, draw_bars, plot_series
-from minivllm.plots.masks import HIDDEN, draw_mask
+from minivllm.plots.masks import HIDDEN, draw_mask, legend_handles
 
 PADDING_KEY, PADDING_QUERY = "#fbd5d5", "#e53e3e"
 SEQUENCE_COLORS = ["#2b6cb0", "#2f855a", "#b7791f", "#6b46c1", "#c05621", "#2c7a7b", "#97266d", "#4a5568"]
@@ -26,13 +25,10 @@ def categories(num_sequences: int, padding: bool = False) -> dict[int, tuple[str
 
 
 def shared_legend(fig: plt.Figure, codes: dict[int, tuple[str, str]], grids: list[torch.Tensor]) -> None:
-    """One legend under the figure instead of one per panel (they would cover small masks)."""
-    for ax in fig.axes:
-        if ax.get_legend():
-            ax.get_legend().remove()
-    present = set().union(*(set(g.unique().tolist()) for g in grids))
-    fig.legend(handles=[Patch(color=color, label=label) for code, (label, color) in codes.items() if code in present],
-               loc="lower center", ncol=min(6, len(present)), fontsize=8, bbox_to_anchor=(0.5, -0.02))
+    """One legend under the figure for panels drawn with legend=False (per-panel legends would
+    cover small masks)."""
+    handles = legend_handles(codes, grids)
+    fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8, bbox_to_anchor=(0.5, -0.02))
 
 
 def padded_grid(lengths: list[int]) -> torch.Tensor:
@@ -72,7 +68,7 @@ def plot_padded_mask(lengths: list[int]) -> plt.Figure:
     for b, (ax, grid) in enumerate(zip(axes[0], grids)):
         labels = ["pad"] * (L - lengths[b]) + [str(i) for i in range(lengths[b])]
         draw_mask(ax, grid, f"row {b}: {lengths[b]} tokens + {L - lengths[b]} padding", codes,
-                  row_labels=labels, col_labels=labels)
+                  row_labels=labels, col_labels=labels, legend=False)
     fig.suptitle(f"Static batch, left-padded to L = {L}: causal × padding ({B} × {L} × {L} scores)")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     shared_legend(fig, codes, list(grids))
@@ -87,10 +83,10 @@ def plot_padded_vs_ragged(lengths: list[int]) -> plt.Figure:
     fig, (left, right) = plt.subplots(1, 2, figsize=(2 * size + 1, size + 0.6))
     ragged, codes = ragged_grid(lengths), categories(B, padding=True)
     draw_mask(left, padded, f"padded: {B} × {L} = {B * L} slots, {B * L * L} scores", codes,
-              token_labels(lengths, True), token_labels(lengths, True))
+              token_labels(lengths, True), token_labels(lengths, True), legend=False)
     draw_mask(right, ragged, f"ragged: {T} tokens, {T * T} scores as one mask,\n"
               f"{sum(n * n for n in lengths)} computed segment by segment", codes,
-              token_labels(lengths, False), token_labels(lengths, False))
+              token_labels(lengths, False), token_labels(lengths, False), legend=False)
     right.set_xlim(left.get_xlim())  # same scale: the ragged run is the padded one minus the padding
     right.set_ylim(left.get_ylim())
     right.text((T + B * L) / 2, (T + B * L) / 2, f"no padding:\n{B * L - T} fewer slots", ha="center", va="center")
@@ -115,11 +111,12 @@ def plot_chunk_masks(prompt_len: int, chunk_size: int) -> plt.Figure:
         stacked[past:past + n, :past + n] = grid
         ax = fig.add_subplot(layout[row, 0])
         draw_mask(ax, grid, f"chunk {row}: chunk_mask({n}, past={past})", codes,
-                  [str(past + i) for i in range(n)], [str(j) for j in range(past + n)])
+                  [str(past + i) for i in range(n)], [str(j) for j in range(past + n)], legend=False)
         ax.set_xlim(-0.5, prompt_len - 0.5)  # one column scale for every chunk
         ax.set_xlabel("")
         ax.set_ylabel("")
-    draw_mask(fig.add_subplot(layout[:, 1]), stacked, f"all chunks stacked = causal_mask({prompt_len})", codes)
+    draw_mask(fig.add_subplot(layout[:, 1]), stacked, f"all chunks stacked = causal_mask({prompt_len})", codes,
+              legend=False)
     fig.suptitle(f"A {prompt_len}-token prompt prefilled in chunks of {chunk_size} (rows: queries, columns: keys)")
     shared_legend(fig, codes, [stacked])
     return fig

@@ -17,9 +17,11 @@ def draw_mask(
     categories: dict[int, tuple[str, str]] | None = None,
     row_labels: list[str] | None = None,
     col_labels: list[str] | None = None,
+    legend: bool = True,
 ) -> None:
     """Draw a [rows, cols] mask. A bool mask shows visible/hidden; an integer grid shows one
-    colour per category, e.g. {0: ("hidden", grey), 1: ("sequence 0", blue), 2: ("padding", red)}."""
+    colour per category, e.g. {0: ("hidden", grey), 1: ("sequence 0", blue), 2: ("padding", red)}.
+    legend=False leaves the legend to the caller (one for several panels: legend_handles)."""
     if categories is None:
         categories = {0: ("hidden", HIDDEN), 1: ("may attend", VISIBLE)}
     grid = grid.to(torch.int64).cpu()
@@ -41,9 +43,14 @@ def draw_mask(
     ax.set_xlabel("key (what is attended to)")
     ax.set_ylabel("query (who attends)")
     ax.set_title(title)
-    present = set(grid.unique().tolist())
-    ax.legend(handles=[Patch(color=color, label=label) for code, (label, color) in categories.items() if code in present],
-              loc="upper right", fontsize=7, framealpha=0.9)
+    if legend:
+        ax.legend(handles=legend_handles(categories, [grid]), loc="upper right", fontsize=7, framealpha=0.9)
+
+
+def legend_handles(categories: dict[int, tuple[str, str]], grids: list[torch.Tensor]) -> list[Patch]:
+    """One legend entry per category that appears in any of the grids."""
+    present = set().union(*(set(g.unique().tolist()) for g in grids))
+    return [Patch(color=color, label=label) for code, (label, color) in categories.items() if code in present]
 
 
 def plot_mask(grid: torch.Tensor, title: str, **kwargs) -> plt.Figure:
