@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mask_asserts import assert_mask_equal
 from minivllm.attention.masks import causal_mask
 from minivllm.stages import naive
 
@@ -12,16 +13,10 @@ pytestmark = pytest.mark.ch01
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [42], [3] * 25]
 
 
-def show(mask: torch.Tensor) -> str:
-    return "\n".join(" ".join("■" if v else "·" for v in row) for row in mask.tolist())
-
-
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_causal_mask_against_hand_built(n):
     expected = torch.tensor([[j <= i for j in range(n)] for i in range(n)])
-    got = causal_mask(n)
-    assert got.dtype == torch.bool and got.shape == (n, n), f"causal_mask({n}) must be a bool [{n}, {n}] tensor"
-    assert torch.equal(got, expected), f"causal_mask({n}): expected\n{show(expected)}\ngot\n{show(got)}"
+    assert_mask_equal(causal_mask(n), expected, f"causal_mask({n})")
 
 
 def test_naive_equals_transformers(model, hf_model, reference):
