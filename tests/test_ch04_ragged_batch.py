@@ -12,7 +12,7 @@ from minivllm.attention.masks import block_diagonal_mask
 from minivllm.stages import ragged_batch
 from minivllm.stages.common import StageStats
 from minivllm.stages.kv_cache import KVCache
-from tiny_models import random_prompts
+from tiny_models import random_prompts, random_qkv
 
 pytestmark = pytest.mark.ch04
 
@@ -57,15 +57,6 @@ def test_block_diagonal_mask_is_causal_blocks():
 
 
 # --- per-segment attention --------------------------------------------------------------------
-
-def random_qkv(model, T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cfg = model.config
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(T, cfg.num_heads, cfg.head_dim, generator=g)
-    k = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, generator=g)
-    v = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, generator=g)
-    return q, k, v
-
 
 def test_segment_attention_equals_dense_block_diagonal(model):
     """Prefill of three prompts at once: per segment == one dense [T, T] block-diagonal mask."""

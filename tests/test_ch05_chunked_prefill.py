@@ -12,7 +12,7 @@ from minivllm.stages import chunked_prefill
 from minivllm.stages.common import StageStats
 from minivllm.stages.kv_cache import KVCache
 from minivllm.stages.ragged_batch import Segment
-from tiny_models import random_prompts
+from tiny_models import random_prompts, random_qkv
 
 pytestmark = pytest.mark.ch05
 
@@ -68,10 +68,8 @@ def test_plan_chunks_no_longer_than_the_prompt_left():
 # --- attention over chunks -------------------------------------------------------------------------
 
 def test_chunked_attention_equals_whole_prompt(model):
-    cfg, n = model.config, 11
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g)
-    k, v = (torch.randn(n, cfg.num_kv_heads, cfg.head_dim, generator=g) for _ in range(2))
+    n = 11
+    q, k, v = random_qkv(model, n)
     cache, outs = KVCache(model, n), []
     for past in range(0, n, 4):
         rows = slice(past, min(past + 4, n))

@@ -53,3 +53,13 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_to
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 97) -> list[list[int]]:
     """minivllm.text.random_prompts over the tiny models' vocabulary of 97."""
     return text.random_prompts(lengths, vocab, seed)
+
+
+def random_qkv(model, T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded q [T, Hq, D], k and v [T, Hkv, D] in the model's head layout."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, cfg.num_heads, cfg.head_dim, generator=g)
+    k = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, generator=g)
+    v = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, generator=g)
+    return q, k, v
