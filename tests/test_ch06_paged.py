@@ -15,6 +15,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.kv_memory import compare
 from minivllm.stages import paged
 from minivllm.stages.common import StageStats
+from tiny_models import reference_attention
 
 pytestmark = pytest.mark.ch06
 
@@ -144,16 +145,6 @@ def test_gather_kv_reads_scattered_blocks_in_order(block_size, context_len):
     wrong = (got != contiguous).any(-1).any(-1).nonzero().flatten().tolist()
     assert not wrong, (f"gather_kv(block_size={block_size}, block_table={table}, context_len={context_len}): "
                        f"tokens at positions {wrong} differ from the contiguous cache")
-
-
-def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D), masked) v for one sequence, in float64, KV heads repeated for GQA.
-    q [Tq, Hq, D], keys/values [Tk, Hkv, D], mask [Tq, Tk] -> [Tq, Hq, D]."""
-    group = q.shape[1] // keys.shape[1]
-    k, v = keys.double().repeat_interleave(group, 1), values.double().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def test_paged_decode_equals_attention_over_contiguous_caches():

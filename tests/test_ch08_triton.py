@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 from minivllm.attention.masks import chunk_mask  # noqa: E402
 from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch, paged_decode, store_kv  # noqa: E402
+from tiny_models import reference_attention  # noqa: E402
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.ch08
@@ -65,20 +66,14 @@ def make_batch(past_lens: list[int], query_lens: list[int], block_size: int, see
 
 def reference(q: torch.Tensor, pool: KVPool, batch: PagedBatch) -> torch.Tensor:
     """Float64 attention of each sequence's queries to its cached tokens, read slot by slot."""
-    k_slots = pool.k[0].double().flatten(0, 1)  # [num_blocks * block_size, Hkv, D]
-    v_slots = pool.v[0].double().flatten(0, 1)
-    T, Hq, D = q.shape
-    group = Hq // k_slots.shape[1]
-    out, start = torch.empty(T, Hq, D, dtype=torch.float64), 0
+    k_slots = pool.k[0].flatten(0, 1)  # [num_blocks * block_size, Hkv, D]
+    v_slots = pool.v[0].flatten(0, 1)
+    out, start = torch.empty(q.shape, dtype=torch.float64), 0
     for s, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
         table = batch.block_tables[s].tolist()
         slots = [table[p // pool.block_size] * pool.block_size + p % pool.block_size for p in range(ctx)]
-        keys = k_slots[slots].repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        values = v_slots[slots].repeat_interleave(group, dim=1)
-        queries = q[start:start + q_len].double()
-        scores = torch.einsum("thd,chd->htc", queries, keys) / D**0.5
-        scores = scores.masked_fill(~chunk_mask(q_len, ctx - q_len), float("-inf"))
-        out[start:start + q_len] = torch.einsum("htc,chd->thd", scores.softmax(-1), values)
+        out[start:start + q_len] = reference_attention(q[start:start + q_len], k_slots[slots], v_slots[slots],
+                                                       chunk_mask(q_len, ctx - q_len))
         start += q_len
     return out
 

@@ -63,3 +63,13 @@ def random_qkv(model, T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
     k = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, generator=g)
     v = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, generator=g)
     return q, k, v
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D), masked) v for one sequence, in float64, KV heads repeated for GQA.
+    q [Tq, Hq, D], keys/values [Tk, Hkv, D], mask [Tq, Tk] -> [Tq, Hq, D]."""
+    group = q.shape[1] // keys.shape[1]
+    k, v = keys.double().repeat_interleave(group, 1), values.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
