@@ -28,7 +28,6 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
 
 

@@ -44,9 +44,9 @@ def test_positions_far_beyond_the_prompt_match(model, hf_model):
     torch.testing.assert_close(model.lm_head(hidden), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_bfloat16_stays_close_to_float32(hf_model):
+def test_bfloat16_stays_close_to_float32(model, hf_model):
     ids = torch.arange(24) % hf_model.config.vocab_size
-    fp32 = logits_of(minivllm.load_model(hf_model, device="cpu"), ids)
+    fp32 = logits_of(model, ids)
     bf16 = logits_of(minivllm.load_model(hf_model, device="cpu", dtype=torch.bfloat16), ids).float()
     assert (bf16 - fp32).abs().max() < 0.1 * fp32.abs().max()
 
