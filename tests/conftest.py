@@ -41,6 +41,13 @@ def model(hf_model):
 
 
 @pytest.fixture(scope="session")
+def qwen3_model(hf_models):
+    """minivllm's Decoder of the tiny Qwen3 model alone: for checks about the engine, which do
+    not depend on the model family."""
+    return minivllm.load_model(hf_models["qwen3"], device="cpu")
+
+
+@pytest.fixture(scope="session")
 def reference():
     """Greedy continuations from transformers, cached: reference(hf_model, prompt, n)."""
     cache: dict = {}

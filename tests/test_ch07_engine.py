@@ -27,9 +27,9 @@ LENGTHS = [12, 8, 15, 10, 14, 9]
 
 
 @pytest.fixture(scope="module")
-def qwen3(hf_models):
+def qwen3(qwen3_model, hf_models):
     """One family for the checks that are about scheduling, not about the model."""
-    return load_model(hf_models["qwen3"], device="cpu"), hf_models["qwen3"]
+    return qwen3_model, hf_models["qwen3"]
 
 
 def greedy(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams, load_model
+from minivllm import LLM, SamplingParams
 from minivllm.engine.sampler import sample
 
 pytestmark = pytest.mark.ch07
@@ -54,12 +54,6 @@ def test_greedy_rows_take_the_argmax_next_to_sampled_rows():
     assert [tokens[i] for i in (0, 2, 4)] == logits[[0, 2, 4]].argmax(-1).tolist()
 
 
-@pytest.fixture(scope="module")
-def model(hf_models):
-    """Sampling does not depend on the model family: one tiny model is enough."""
-    return load_model(hf_models["qwen3"], device="cpu")
-
-
 PROMPT = [5, 17, 33, 2, 60, 41, 8]
 OTHERS = [[1, 2, 3], [90, 80, 70, 60, 50, 40, 30, 20, 10], [44] * 15]
 
@@ -68,21 +62,21 @@ def completions(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(model):
-    llm = LLM(model)
+def test_seeded_sampling_does_not_depend_on_the_batch(qwen3_model):
+    llm = LLM(qwen3_model)
     mine = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, seed=7)
     alone = completions(llm, [PROMPT], [mine])[0]
     noisy = [SamplingParams(max_tokens=n, temperature=1.0) for n in (4, 20, 9)]  # unseeded neighbours
     in_batch = completions(llm, [OTHERS[0], PROMPT, *OTHERS[1:]], [noisy[0], mine, *noisy[1:]])[1]
-    starved = LLM(model, block_size=4, num_kv_blocks=12, max_num_batched_tokens=8)  # chunks and preemptions
+    starved = LLM(qwen3_model, block_size=4, num_kv_blocks=12, max_num_batched_tokens=8)  # chunks and preemptions
     in_starved_batch = completions(starved, [*OTHERS, PROMPT], [*noisy, mine])[3]
     assert alone == in_batch == in_starved_batch
     other_seed = completions(llm, [PROMPT], [SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, seed=8)])[0]
     assert other_seed != alone  # the seed, not something else, decides
 
 
-def test_top_k_1_equals_greedy(model):
-    llm = LLM(model)
+def test_top_k_1_equals_greedy(qwen3_model):
+    llm = LLM(qwen3_model)
     prompts = [PROMPT, *OTHERS]
     greedy = completions(llm, prompts, [SamplingParams(max_tokens=10, temperature=0)] * 4)
     top1 = completions(llm, prompts, [SamplingParams(max_tokens=10, temperature=1.3, top_k=1)] * 4)
