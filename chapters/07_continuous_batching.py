@@ -17,10 +17,15 @@ from rich.table import Table
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer, plots
 from minivllm.bench import chapter_parser, console, environment, load_for_chapter, make_workload, save_results
-from minivllm.engine.trace import TIMELINE_LABELS, Trace
+from minivllm.engine.trace import PREEMPTED, TIMELINE_LABELS, Trace
 from minivllm.online import latency_summary, serve_continuous, serve_static
 from minivllm.plots.scheduling import plot_latency_vs_rate, plot_step_composition, plot_timeline
 from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
+
+# The traced run: a pool too small for everyone admitted to grow at once, so the newest
+# running request is preempted now and then (3 times with the default seed).
+TIMELINE_ENGINE = dict(block_size=16, num_kv_blocks=32, max_num_batched_tokens=128, max_num_seqs=8)
+ARRIVAL_GAP = 8  # engine steps between arrivals, on average
 
 STATIC_EXPLAINED = (
     "Static batching here runs on the same engine: when free, it takes the requests that have arrived (up to "
@@ -41,21 +46,36 @@ def sample(model: torch.nn.Module, tokenizer) -> None:
 
 
 def timeline(model: torch.nn.Module, args) -> dict:
-    """A short online run under starvation, traced, drawn as two pictures."""
-    work = make_workload("classroom", model.config.vocab_size, seed=args.seed, num_requests=12, rate=args.rates[-1])
-    engine = LLMEngine(model, block_size=16, num_kv_blocks=32, max_num_batched_tokens=128, max_num_seqs=8)
+    """A short run under starvation, traced, drawn as two pictures. Requests arrive at engine
+    steps, not seconds (a Poisson process with one arrival every ARRIVAL_GAP steps on average),
+    so the schedule, and its preemptions, are the same on every machine."""
+    work = make_workload("classroom", model.config.vocab_size, seed=args.seed, num_requests=12, rate=1 / ARRIVAL_GAP)
+    arrival_step = [round(a) for a in work.arrivals]
+    engine = LLMEngine(model, **TIMELINE_ENGINE)
     engine.trace = trace = Trace()
-    serve_continuous(engine, work)
+    pending, step = list(range(len(work.prompts))), 0  # arrivals are in order
+    while pending or engine.has_unfinished_requests():
+        while pending and arrival_step[pending[0]] <= step:
+            i = pending.pop(0)
+            params = SamplingParams(max_tokens=work.output_lens[i], temperature=0.0, ignore_eos=True)
+            engine.add_request(work.prompts[i], params, request_id=str(i))
+        engine.step()  # with nothing to run (before the next arrival) it records nothing
+        step += 1
     steps = trace.steps
     prefill_steps: dict[str, int] = {}
     for s in steps:
         for rid in s.prefill:
             prefill_steps[rid] = prefill_steps.get(rid, 0) + 1
-    title = (f"{len(work.prompts)} requests at {args.rates[-1]} req/s; 32 blocks × 16 tokens, budget 128 tokens/step, "
-             f"at most 8 running: {len(steps)} steps, {trace.num_preemptions} preemptions")
+    settings = TIMELINE_ENGINE
+    title = (f"{len(work.prompts)} classroom requests, one every {ARRIVAL_GAP} steps on average; "
+             f"{settings['num_kv_blocks']} blocks × {settings['block_size']} tokens, budget "
+             f"{settings['max_num_batched_tokens']} tokens/step, at most {settings['max_num_seqs']} running: "
+             f"{len(steps)} steps, {trace.num_preemptions} preemptions")
     ids, grid = trace.timeline()
-    console.print(f"saved {plots.save(plot_timeline(ids, grid, TIMELINE_LABELS, title), '07_timeline')}")
-    fig = plot_step_composition([s.num_prefill_tokens for s in steps], [len(s.decode) for s in steps], 128,
+    fig = plot_timeline(ids, grid, TIMELINE_LABELS, title, marked=PREEMPTED)
+    console.print(f"saved {plots.save(fig, '07_timeline')}")
+    fig = plot_step_composition([s.num_prefill_tokens for s in steps], [len(s.decode) for s in steps],
+                                settings["max_num_batched_tokens"],
                                 "Each step: decodes first, then prefill chunks fill the budget")
     console.print(f"saved {plots.save(fig, '07_step_composition')}")
     return dict(steps=len(steps), preemptions=trace.num_preemptions,

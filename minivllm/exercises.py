@@ -19,6 +19,7 @@ import ast
 import importlib
 import inspect
 import os
+import re
 import shutil
 import subprocess
 import textwrap
@@ -39,12 +40,15 @@ NOTEBOOKS = {
     "ch06": "notebooks/06_paged_kv_cache.ipynb",
     "ch07": "notebooks/07_continuous_batching.ipynb",
     "ch08": "notebooks/08_triton_kernel.ipynb",
+    "ch09": "notebooks/09_cuda_graphs.ipynb",
+    "ch10": "notebooks/10_serving.ipynb",
+    "ch11": "notebooks/11_prefix_caching.ipynb",
 }
 
 
 @dataclass(frozen=True)
 class Exercise:
-    chapter: str  # "ch01" .. "ch08": also the pytest marker that selects its checks
+    chapter: str  # "ch01" .. "ch11": also the pytest marker that selects its checks
     module: str  # where the solution region is, e.g. "minivllm.attention.masks"
     qualname: str  # the function holding it, e.g. "causal_mask" or "BlockManager.grow"
     section: str  # the heading of the notebook section that explains it
@@ -104,7 +108,38 @@ EXERCISES: list[Exercise] = [
     Exercise("ch08", "minivllm.attention.triton_kernels", "merge_partials",
              "Exercise 8.1: merging partial softmaxes",
              "combine per-partition (max, sum, acc) partial attention results into the full result"),
+    Exercise("ch09", "minivllm.engine.cuda_graphs", "bucket_for", "Exercise 9.1: the batch-size bucket",
+             "the smallest captured batch size that holds a step's sequences"),
+    Exercise("ch09", "minivllm.engine.cuda_graphs", "GraphRunner.prepare", "Exercise 9.2: preparing a replay",
+             "pad a decode step to its bucket and copy it into the static buffer a captured graph reads"),
+    Exercise("ch09", "minivllm.fused", "rope_cos_sin_table", "Exercise 9.3: the RoPE cos/sin table",
+             "the [max_positions, D] table whose row p is [cos(p * inv_freq), sin(p * inv_freq)] in dtype"),
+    Exercise("ch10", "minivllm.serving.sse", "new_deltas", "Exercise 10.1: engine outputs as stream deltas",
+             "the text and tokens of each completion that the client has not been sent yet"),
+    Exercise("ch10", "minivllm.engine.detokenizer", "find_stop_string", "Exercise 10.2: stop strings across tokens",
+             "find the earliest stop string that ends in the new text, including one that began in the text before it"),
+    Exercise("ch11", "minivllm.engine.prefix_cache", "block_hashes", "Exercise 11.1: the block hash chain",
+             "the chained hashes of a token list's full blocks"),
+    Exercise("ch11", "minivllm.engine.prefix_cache", "PrefixCachingBlockManager.longest_cached_prefix",
+             "Exercise 11.2: the longest cached prefix", "the blocks holding the longest run of leading hashes in the cache"),
+    Exercise("ch11", "minivllm.engine.prefix_cache", "PrefixCachingBlockManager.release",
+             "Exercise 11.3: reference-counted release",
+             "let go of a table's blocks: a block is free only when its last owner lets go"),
 ]
+
+
+def prerequisite_note(message: str, chapters: Iterable[str]) -> str | None:
+    """For a check of `chapters` (its pytest markers) that stopped on a stub's NotImplementedError
+    `message`: one line saying which exercise of another chapter to do first. None when the stub
+    is one of the check's own chapters (its message says enough) or the error is not a stub's."""
+    found = re.match(r"Exercise (ch\d+) (\S+):", message)
+    chapters = sorted(set(chapters))
+    if found is None or found.group(1) in chapters:
+        return None
+    chapter, qualname = found.groups()
+    check = f"This {' / '.join(chapters)} check" if chapters else "This check"
+    return (f"{check} calls exercise {chapter} {qualname}, still a stub: do exercise {chapter} {qualname} first "
+            f"(pytest -m {chapter})")
 
 
 def by_chapter(exercises: Iterable[Exercise] = EXERCISES) -> dict[str, list[Exercise]]:
@@ -258,7 +293,7 @@ def make_student_copy(dest: Path | str, chapters: Iterable[str] | None = None, r
     wanted = set(chapters) if chapters is not None else {ex.chapter for ex in exercises}
     unknown = wanted - set(NOTEBOOKS)
     if unknown:
-        raise ValueError(f"unknown chapters {sorted(unknown)}; use ch01 .. ch08")
+        raise ValueError(f"unknown chapters {sorted(unknown)}; use ch01 .. ch11")
     chosen = [ex for ex in exercises if ex.chapter in wanted]
     per_file: dict[str, dict[str, Exercise]] = {}
     for ex in chosen:
@@ -345,7 +380,8 @@ def _run(args: argparse.Namespace) -> None:
         raise SystemExit(f"minivllm exercises make: {error}") from None
     print(f"wrote a student copy to {args.dir} with {len(stubbed)} exercises stubbed "
           f"({', '.join(sorted({ex.chapter for ex in stubbed}))}).")
-    print(f"Students: cd {args.dir} && pip install -e '.[dev]' && pytest -m ch01")
+    first = min((ex.chapter for ex in stubbed), default="ch01")
+    print(f"Students: cd {args.dir} && pip install -e '.[dev]' && pytest -m {first}")
 
 
 def add_subparser(commands: argparse._SubParsersAction) -> None:

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from mask_asserts import assert_mask_equal, mask
-from minivllm.attention.dense import attend
 from minivllm.attention.masks import block_diagonal_mask
 from minivllm.stages import ragged_batch
 from minivllm.stages.common import StageStats
 from minivllm.stages.kv_cache import KVCache
-from tiny_models import random_prompts, random_qkv
+from tiny_models import random_prompts, random_qkv, reference_attention
 
 pytestmark = pytest.mark.ch04
 
@@ -22,10 +21,24 @@ OUTPUT_LENS = [4, 1, 6, 3, 2, 5]
 
 # --- offsets and the mask -------------------------------------------------------------------
 
-def test_cu_seqlens_by_hand():
-    assert ragged_batch.cu_seqlens([3, 1, 2]) == [0, 3, 4, 6]
-    assert ragged_batch.cu_seqlens([5]) == [0, 5]
-    assert ragged_batch.cu_seqlens([]) == [0]
+@pytest.mark.parametrize("lengths, expected", [([3, 1, 2], [0, 3, 4, 6]), ([5], [0, 5]), ([], [0]),
+                                              ([1, 1, 1, 1], [0, 1, 2, 3, 4])])
+def test_cu_seqlens_by_hand(lengths, expected):
+    got = ragged_batch.cu_seqlens(lengths)
+    assert isinstance(got, list), f"cu_seqlens({lengths}) must return a list of ints, got {type(got).__name__}"
+    assert got == expected, f"cu_seqlens({lengths}): expected {expected} (one more offset than lengths), got {got}"
+
+
+@pytest.mark.timeout(30, func_only=True)  # fixtures built once per session are not timed
+@pytest.mark.parametrize("wrong", [lambda cu: cu[:-1], lambda cu: cu[1:], lambda cu: [0] + cu[1:-1] + [cu[-1] + 1]],
+                         ids=["no final offset", "no leading 0", "wrong total"])
+def test_malformed_cu_seqlens_fails_at_once_instead_of_hanging(qwen3_model, monkeypatch, wrong):
+    """Offsets that drop a segment leave a sequence without its token: the stage must refuse
+    them, not wait for that token forever."""
+    correct = ragged_batch.cu_seqlens
+    monkeypatch.setattr(ragged_batch, "cu_seqlens", lambda lengths: wrong(correct(lengths)))
+    with pytest.raises(ValueError, match=r"cu_seqlens\(\[4, 2, 3\]\) returned"):
+        ragged_batch.generate(qwen3_model, random_prompts([4, 2, 3]), 3)
 
 
 def test_block_diagonal_mask_one_token():
@@ -56,18 +69,40 @@ def test_block_diagonal_mask_is_causal_blocks():
     assert_mask_equal(block_diagonal_mask(lengths), expected, f"block_diagonal_mask({lengths})")
 
 
+@pytest.mark.timeout(30, func_only=True)  # fixtures built once per session are not timed
+def test_attention_that_moves_cache_length_is_named(qwen3_model, monkeypatch):
+    """The stage owns cache.length: an attention that moves it (every layer!) is named at once."""
+    correct = ragged_batch.RaggedAttention.__call__
+
+    def moves_length(self, layer, q, k, v):
+        for segment in self.segments:
+            segment.cache.length += 1
+        return correct(self, layer, q, k, v)
+
+    monkeypatch.setattr(ragged_batch.RaggedAttention, "__call__", moves_length)
+    with pytest.raises(RuntimeError, match="the attention moved cache.length"):
+        ragged_batch.generate(qwen3_model, random_prompts([4, 2]), 2)
+
+
 # --- per-segment attention --------------------------------------------------------------------
 
 def test_segment_attention_equals_dense_block_diagonal(model):
-    """Prefill of three prompts at once: per segment == one dense [T, T] block-diagonal mask."""
+    """Prefill of three prompts at once: per segment == one dense [T, T] block-diagonal mask,
+    built here by hand and computed in float64 (the exercise's own mask is checked above)."""
     lengths = [3, 1, 5]
     q, k, v = random_qkv(model, sum(lengths))
     segments = [ragged_batch.Segment(KVCache(model, n + 1), 0, n) for n in lengths]
     got = ragged_batch.RaggedAttention(segments)(0, q, k, v)
-    expected = attend(q, k, v, block_diagonal_mask(lengths))
-    torch.testing.assert_close(got, expected)
-    for segment, n, start in zip(segments, lengths, [0, 3, 4]):  # each cache holds its own keys only
-        torch.testing.assert_close(segment.cache.k[0, :n], k[start:start + n])
+    assert got.shape == q.shape, f"RaggedAttention returns one row per query: expected {list(q.shape)}, got {list(got.shape)}"
+    block_diagonal = torch.block_diag(*[torch.ones(n, n).tril() for n in lengths]).bool()
+    expected = reference_attention(q, k, v, block_diagonal)
+    for i, (start, n) in enumerate(zip([0, 3, 4], lengths)):
+        torch.testing.assert_close(got[start:start + n].double(), expected[start:start + n], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"segment {i} (flat rows {start}..{start + n - 1}, a prefill of "
+                                                 f"{n} tokens) differs from causal attention within it: {m}")
+    for i, (segment, n, start) in enumerate(zip(segments, lengths, [0, 3, 4])):  # each cache holds its own keys only
+        torch.testing.assert_close(segment.cache.k[0, :n], k[start:start + n],
+                                   msg=lambda m: f"segment {i}'s cache rows 0..{n - 1} should hold its own keys: {m}")
 
 
 def test_decode_segments_attend_to_their_own_cache(model):
@@ -83,9 +118,11 @@ def test_decode_segments_attend_to_their_own_cache(model):
     q, k, v = random_qkv(model, len(lengths), seed=4)
     segments = [ragged_batch.Segment(c, n, 1) for c, n in zip(caches, lengths)]
     got = ragged_batch.RaggedAttention(segments)(0, q, k, v)
-    for i, (old_k, old_v) in enumerate(history):
-        expected = attend(q[i:i + 1], torch.cat([old_k, k[i:i + 1]]), torch.cat([old_v, v[i:i + 1]]))
-        torch.testing.assert_close(got[i:i + 1], expected, msg=f"decode segment {i} saw the wrong keys")
+    for i, ((old_k, old_v), n) in enumerate(zip(history, lengths)):
+        sees_all = torch.ones(1, n + 1, dtype=torch.bool)  # one decode query sees its whole cache
+        expected = reference_attention(q[i:i + 1], torch.cat([old_k, k[i:i + 1]]), torch.cat([old_v, v[i:i + 1]]), sees_all)
+        torch.testing.assert_close(got[i:i + 1].double(), expected, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"decode segment {i} ({n} cached tokens + 1 new) saw the wrong keys: {m}")
 
 
 # --- the schedule and the tokens -------------------------------------------------------------------

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from mask_asserts import assert_mask_equal, mask
-from minivllm.attention.dense import attend
-from minivllm.attention.masks import causal_mask, chunk_mask
+from minivllm.attention.masks import chunk_mask
 from minivllm.stages import chunked_prefill
 from minivllm.stages.common import StageStats
 from minivllm.stages.kv_cache import KVCache
 from minivllm.stages.ragged_batch import Segment
-from tiny_models import random_prompts, random_qkv
+from tiny_models import random_prompts, random_qkv, reference_attention
 
 pytestmark = pytest.mark.ch05
 
@@ -28,7 +27,6 @@ def test_chunk_mask_without_past_is_causal():
                      "1 1 .",
                      "1 1 1"])
     assert_mask_equal(chunk_mask(3, 0), expected, "chunk_mask(3, past=0)")
-    assert_mask_equal(causal_mask(3), expected, "causal_mask(3)")
 
 
 def test_chunk_mask_by_hand():
@@ -65,9 +63,25 @@ def test_plan_chunks_no_longer_than_the_prompt_left():
     assert chunked_prefill.plan_step([10, 10], chunk_size=4, budget=100) == [(0, 4), (1, 4)]
 
 
+@pytest.mark.timeout(30, func_only=True)  # fixtures built once per session are not timed
+@pytest.mark.parametrize("wrong, problem", [
+    (lambda plan: [], "no tokens planned"),  # a step that runs nothing: the loop would spin forever
+    (lambda plan: [(i, 0) for i, _ in plan], "may run 1"),  # tokens planned, none of them real
+    (lambda plan: plan + plan[:1], "at most once"),
+    (lambda plan: [(i, n + 100) for i, n in plan], "may run 1"),  # past the prompt's end
+], ids=["empty", "zero tokens", "a sequence twice", "past the prompt"])
+def test_a_broken_plan_fails_at_once_instead_of_hanging(qwen3_model, monkeypatch, wrong, problem):
+    correct = chunked_prefill.plan_step
+    monkeypatch.setattr(chunked_prefill, "plan_step", lambda *args: wrong(correct(*args)))
+    with pytest.raises(ValueError, match=rf"plan_step\(\[.*\], chunk_size=4, budget=6\) returned .*{problem}"):
+        chunked_prefill.generate(qwen3_model, random_prompts([9, 3]), 4, chunk_size=4, max_num_batched_tokens=6)
+
+
 # --- attention over chunks -------------------------------------------------------------------------
 
 def test_chunked_attention_equals_whole_prompt(model):
+    """Chunks of 4 attending to the cache of the chunks before them == the whole prompt at once,
+    with a causal mask built here and computed in float64."""
     n = 11
     q, k, v = random_qkv(model, n)
     cache, outs = KVCache(model, n), []
@@ -75,7 +89,12 @@ def test_chunked_attention_equals_whole_prompt(model):
         rows = slice(past, min(past + 4, n))
         segment = Segment(cache, past, rows.stop - past)
         outs.append(chunked_prefill.ChunkedAttention([segment])(0, q[rows], k[rows], v[rows]))
-    torch.testing.assert_close(torch.cat(outs), attend(q, k, v, causal_mask(n)))
+    expected = reference_attention(q, k, v, torch.ones(n, n).tril().bool())
+    for past in range(0, n, 4):
+        rows = slice(past, min(past + 4, n))
+        torch.testing.assert_close(torch.cat(outs)[rows].double(), expected[rows], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"the chunk at positions {rows.start}..{rows.stop - 1} "
+                                                 f"(after {past} cached tokens): {m}")
 
 
 # --- the tokens -----------------------------------------------------------------------------------

@@ -221,6 +221,13 @@ def test_paged_equals_transformers(model, hf_model, reference, block_size, num_b
                                 f"expected {expected}, got {out}"
 
 
+@pytest.mark.timeout(30, func_only=True)  # fixtures built once per session are not timed
+def test_a_plan_without_tokens_fails_at_once_instead_of_hanging(llama, monkeypatch):
+    monkeypatch.setattr(paged, "plan_step", lambda prompt_left, chunk_size, budget: [])
+    with pytest.raises(ValueError, match="no tokens planned"):
+        paged.generate(llama, PROMPTS[:2], 3, block_size=4)
+
+
 def test_a_request_that_can_never_fit_is_refused_up_front(llama):
     prompts = [[1, 2, 3], list(range(16))]
     with pytest.raises(ValueError, match=r"request 1: .*2 blocks of 16.*only 1 block"):
@@ -294,3 +301,19 @@ def test_kv_memory_requests_that_fit_in_one_budget():
     for name, t in traces.items():
         assert max(t.reserved) <= 16, f"{name} reserved {max(t.reserved)} of a 16-slot budget"
     assert traces["paged+preemption"].preemptions > 0
+
+
+def test_what_notebook_6_says_about_the_classroom_budget():
+    """Notebook 06's reading of its table: paging alone keeps more of the memory busy but runs
+    about as many requests at once as caches sized to each request; only with preemption do
+    more requests run at once, in fewer steps. (4,096: the default model's vocabulary, which
+    the notebook's workload is drawn with.)"""
+    from minivllm.bench import make_workload
+
+    workload = make_workload("classroom", 4096, seed=0)
+    t = compare([len(p) for p in workload.prompts], workload.output_lens, budget=4096, block_size=16, max_model_len=512)
+    sized, paged, preempting = t["prompt+max_tokens"], t["paged"], t["paged+preemption"]
+    assert paged.utilisation > sized.utilisation + 0.1, (paged.utilisation, sized.utilisation)
+    assert abs(paged.fit_at_once - sized.fit_at_once) < 0.1 * sized.fit_at_once, (paged.fit_at_once, sized.fit_at_once)
+    assert preempting.fit_at_once > 1.1 * max(paged.fit_at_once, sized.fit_at_once), preempting.fit_at_once
+    assert preempting.steps < min(paged.steps, sized.steps) and 0 < preempting.preemptions <= 5

@@ -269,3 +269,14 @@ def test_metrics_time_the_first_token_and_the_finish(qwen3):
             if out.finished:
                 assert before <= m.finished_time <= after
     assert len(first_step) == len(PROMPTS)
+
+
+@pytest.mark.timeout(30, func_only=True)  # fixtures built once per session are not timed
+def test_a_schedule_that_plans_nothing_fails_at_once_instead_of_hanging(qwen3, monkeypatch):
+    """A wrong Scheduler.schedule that grants no token (and preempts nobody) while requests wait
+    must stop the engine with an error, not leave LLM.generate stepping forever."""
+    from minivllm.engine.scheduler import Scheduler, SchedulerOutput
+
+    monkeypatch.setattr(Scheduler, "schedule", lambda self: SchedulerOutput())
+    with pytest.raises(RuntimeError, match="schedule"):
+        LLM(qwen3[0]).generate(PROMPTS[0], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)

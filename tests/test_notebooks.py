@@ -34,14 +34,33 @@ def outputs_text(nb: dict) -> str:
 
 
 def test_every_chapter_has_a_notebook_with_its_exercise_sections():
+    """Each exercise's stub points to a section of its chapter's notebook; that section shows
+    the exercise's signature and docstring (its specification) with exercises.signature."""
     for chapter, notebook in NOTEBOOKS.items():
         path = ROOT / notebook
         assert path.is_file(), f"{chapter}: missing {notebook}"
-        headings = {line.lstrip("#").strip() for cell in read(path)["cells"] if cell["cell_type"] == "markdown"
-                    for line in "".join(cell["source"]).splitlines() if line.startswith("#")}
+        sections: dict[str, str] = {}  # heading -> the source of the cells under it
+        heading = None
+        for cell in read(path)["cells"]:
+            source = "".join(cell["source"])
+            for line in source.splitlines() if cell["cell_type"] == "markdown" else []:
+                if line.startswith("#"):
+                    heading = line.lstrip("#").strip()
+                    sections[heading] = ""
+            if heading is not None:
+                sections[heading] += source + "\n"
         for ex in EXERCISES:
             if ex.chapter == chapter:
-                assert ex.section in headings, f"{notebook} has no section {ex.section!r} (the stub of {ex.label} points there)"
+                assert ex.section in sections, f"{notebook} has no section {ex.section!r} (the stub of {ex.label} points there)"
+                assert f'signature(lookup("{ex.qualname}"))' in sections[ex.section], \
+                    f"{notebook}, section {ex.section!r}: show the specification with signature(lookup({ex.qualname!r}))"
+
+
+def test_engine_steps_are_drawn_as_bars():
+    """A stackplot draws a line from one step's value to the next: steps become triangles."""
+    for path in ALL:
+        code = "\n".join("".join(c["source"]) for c in read(path)["cells"] if c["cell_type"] == "code")
+        assert ".stackplot(" not in code, f"{path.name}: draw per-step values as bars (plots.scheduling.plot_step_composition)"
 
 
 @pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])

@@ -12,6 +12,7 @@ from minivllm.plots.masks import HIDDEN, draw_mask, legend_handles
 PADDING_KEY, PADDING_QUERY = "#fbd5d5", "#e53e3e"
 SEQUENCE_COLORS = ["#2b6cb0", "#2f855a", "#b7791f", "#6b46c1", "#c05621", "#2c7a7b", "#97266d", "#4a5568"]
 FIRST_SEQUENCE = 10  # grid code of sequence 0; sequence b is FIRST_SEQUENCE + b
+NOT_A_SCORE = -1  # grid code of a cell that no attention computes (left blank)
 
 
 def categories(num_sequences: int, padding: bool = False) -> dict[int, tuple[str, str]]:
@@ -76,14 +77,23 @@ def plot_padded_mask(lengths: list[int]) -> plt.Figure:
 
 
 def plot_padded_vs_ragged(lengths: list[int]) -> plt.Figure:
-    """The same prompts as one flat run: padded (B*L slots, left) and ragged (T tokens, right)."""
+    """The same prompts as one flat run: padded (B*L slots, left) and ragged (T tokens, right).
+    Left, each row of the batch is its own [L, L] score matrix, drawn as B squares on the
+    diagonal: rows never meet, so the space between the squares is no score at all. Right, the
+    block-diagonal mask is one [T, T] matrix: the hidden cells between sequences are scores a
+    dense mask computes and throws away."""
     B, L, T = len(lengths), max(lengths), sum(lengths)
-    padded = torch.block_diag(*padded_grid(lengths))  # [B*L, B*L]: rows never see each other
+    padded = torch.full((B * L, B * L), NOT_A_SCORE)
+    for b, grid in enumerate(padded_grid(lengths)):
+        padded[b * L:(b + 1) * L, b * L:(b + 1) * L] = grid
     size = min(7.0, 2.0 + 0.22 * B * L)
     fig, (left, right) = plt.subplots(1, 2, figsize=(2 * size + 1, size + 0.6))
     ragged, codes = ragged_grid(lengths), categories(B, padding=True)
-    draw_mask(left, padded, f"padded: {B} × {L} = {B * L} slots, {B * L * L} scores", codes,
-              token_labels(lengths, True), token_labels(lengths, True), legend=False)
+    draw_mask(left, padded, f"padded: {B} rows × {L} = {B * L} slots,\n{B} × {L}² = {B * L * L} scores",
+              codes | {NOT_A_SCORE: ("", "white")}, token_labels(lengths, True), token_labels(lengths, True),
+              legend=False)
+    for b in range(B):  # outline each row's [L, L] matrix
+        left.add_patch(plt.Rectangle((b * L - 0.5, b * L - 0.5), L, L, fill=False, edgecolor="#4a5568", linewidth=1))
     draw_mask(right, ragged, f"ragged: {T} tokens, {T * T} scores as one mask,\n"
               f"{sum(n * n for n in lengths)} computed segment by segment", codes,
               token_labels(lengths, False), token_labels(lengths, False), legend=False)

@@ -14,8 +14,12 @@ PREFILL_COLOR, DECODE_COLOR = TIMELINE_COLORS[3], TIMELINE_COLORS[4]
 POLICY_COLORS = {"continuous": "#2b6cb0", "static": "#dd6b20"}
 
 
-def plot_timeline(request_ids: list[str], grid: list[list[int]], labels: dict[int, str], title: str) -> plt.Figure:
-    """Requests (rows) across engine steps (columns), one colour per state code in `grid`."""
+def plot_timeline(
+    request_ids: list[str], grid: list[list[int]], labels: dict[int, str], title: str, marked: int | None = None
+) -> plt.Figure:
+    """Requests (rows) across engine steps (columns), one colour per state code in `grid`.
+    Cells holding the code `marked` (say, a preemption) also get a marker: a state that lasts
+    one step is a hairline among hundreds of steps, too thin to see."""
     rows, cols = len(grid), len(grid[0]) if grid else 0
     fig, ax = plt.subplots(figsize=(min(16, 3 + cols * 0.05), min(12, 1.5 + rows * 0.3)))
     ax.imshow(grid, cmap=ListedColormap(TIMELINE_COLORS), vmin=0, vmax=len(TIMELINE_COLORS) - 1,
@@ -23,8 +27,13 @@ def plot_timeline(request_ids: list[str], grid: list[list[int]], labels: dict[in
     ax.set_yticks(range(rows), [f"request {r}" for r in request_ids], fontsize=7)
     ax.set_xlabel("engine step")
     ax.set_title(title, fontsize=10)
-    used = {code for row in grid for code in row}
+    used = {code for row in grid for code in row} - {marked}
     handles = [Patch(facecolor=TIMELINE_COLORS[c], edgecolor="#999999", label=labels[c]) for c in sorted(labels) if c in used]
+    cells = [(x, y) for y, row in enumerate(grid) for x, code in enumerate(row) if code == marked]
+    if cells:  # the marker's legend entry stands for the code's colour too
+        xs, ys = zip(*cells)
+        handles += ax.plot(xs, ys, linestyle="none", marker="X", markersize=9, color=TIMELINE_COLORS[marked],
+                           markeredgecolor="black", label=f"{labels[marked]} ({len(cells)}×)")
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     return fig
 
@@ -39,7 +48,11 @@ def plot_step_composition(prefill: list[int], decode: list[int], budget: int, ti
     ax.set_xlabel("engine step")
     ax.set_ylabel("tokens in the step")
     ax.set_title(title, fontsize=10)
-    ax.set_yscale("symlog", linthresh=32)  # a few decode tokens and a full prefill both stay readable
+    # A few decode tokens and a full prefill both stay readable: linear up to 4, then logarithmic.
+    ax.set_yscale("symlog", linthresh=4)
+    ticks = sorted({0, budget} | {2**k for k in range(budget.bit_length()) if 2**k < budget})
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(axis="y", alpha=0.3)
     return fig

@@ -35,11 +35,16 @@ class ChunkedAttention(RaggedAttention):
 
 
 def plan_step(prompt_left: list[int], chunk_size: int, budget: int) -> list[tuple[int, int]]:
-    """Which tokens of which live sequence run this step, as (index into prompt_left, count).
+    """Which tokens of which live sequence run this step: a list of (index into prompt_left,
+    count) tuples, in the order they run.
 
     prompt_left[i]: prompt tokens sequence i has not prefilled yet; 0 means it is decoding and
-    runs exactly one token. Decodes come first, in order, one budget token each; then prefill
-    chunks, in order, each at most chunk_size and at most what is left of the budget."""
+    runs exactly one token. Decodes come first, in index order, one budget token each; then
+    prefill chunks, in index order, each min(prompt_left[i], chunk_size, budget left) tokens.
+    A sequence that gets no token this step is left out (never a count of 0); budget >= 1, so
+    the plan is empty only when prompt_left is. The stages check every plan (check_plan) and
+    raise ValueError for an empty plan, a count of 0 or past what is left, an index twice, or
+    more tokens than the budget."""
     # BEGIN SOLUTION
     plan, left = [], budget
     for i, n in enumerate(prompt_left):
@@ -53,6 +58,29 @@ def plan_step(prompt_left: list[int], chunk_size: int, budget: int) -> list[tupl
             left -= take
     return plan
     # END SOLUTION
+
+
+def check_plan(plan: list[tuple[int, int]], prompt_left: list[int], chunk_size: int, budget: int) -> None:
+    """Refuse a plan that breaks plan_step's contract, with the plan in the message. The loops
+    that run plans trust them: a plan with no tokens would make them spin forever, and a count
+    past a prompt's end would feed tokens that do not exist."""
+    def wrong(problem: str) -> ValueError:
+        return ValueError(f"plan_step({prompt_left}, chunk_size={chunk_size}, budget={budget}) returned {plan!r}: "
+                          f"{problem}")
+
+    if not isinstance(plan, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in plan):
+        raise wrong("expected a list of (index, count) tuples")
+    if prompt_left and not plan:
+        raise wrong("no tokens planned while sequences wait; a step must run at least one token")
+    indices = [i for i, _ in plan]
+    if len(set(indices)) != len(indices) or not all(0 <= i < len(prompt_left) for i in indices):
+        raise wrong(f"each index must be in 0..{len(prompt_left) - 1} and appear at most once")
+    for i, n in plan:
+        most = 1 if prompt_left[i] == 0 else min(prompt_left[i], chunk_size)
+        if not 1 <= n <= most:
+            raise wrong(f"sequence {i} ({prompt_left[i]} prompt tokens left) may run 1..{most} tokens, not {n}")
+    if sum(n for _, n in plan) > budget:
+        raise wrong(f"{sum(n for _, n in plan)} tokens planned, over the budget of {budget}")
 
 
 @torch.inference_mode()
@@ -71,6 +99,7 @@ def steps(
         while live:
             prompt_left = [max(0, s.prompt_len - s.cache.length) for s in live]
             plan = plan_step(prompt_left, chunk_size, max_num_batched_tokens)
+            check_plan(plan, prompt_left, chunk_size, max_num_batched_tokens)
             running, num_new = [live[i] for i, _ in plan], [n for _, n in plan]
             step = Step(plan=[(s.request, s.cache.length, n) for s, n in zip(running, num_new)])
             last_hidden = run_step(model, running, num_new, ChunkedAttention)

@@ -18,8 +18,9 @@ from minivllm.stages.common import StageStats, as_tensor, prepare
 
 
 def append_kv(cache: torch.Tensor, new: torch.Tensor, start: int) -> torch.Tensor:
-    """Write `new` [T, Hkv, D] into `cache` [max_len, Hkv, D] at rows start..start+T-1 and
-    return the filled part of the cache, rows 0..start+T-1."""
+    """Write `new` [T, Hkv, D] into `cache` [max_len, Hkv, D] at rows start..start+T-1, in
+    place (the cache is the storage every later step reads), and return the filled part of
+    the cache, rows 0..start+T-1: [start + T, Hkv, D]. Rows after start+T-1 stay untouched."""
     # BEGIN SOLUTION
     end = start + new.shape[0]
     cache[start:end] = new

@@ -27,7 +27,7 @@ import torch
 from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch
 from minivllm.engine.block_manager import BlockManager
 from minivllm.model import Decoder
-from minivllm.stages.chunked_prefill import plan_step
+from minivllm.stages.chunked_prefill import check_plan, plan_step
 from minivllm.stages.common import StageStats, as_tensor, prepare
 from minivllm.stages.ragged_batch import Step
 
@@ -130,6 +130,7 @@ def steps(
         while live:
             prompt_left = [max(0, s.prompt_len - s.num_cached) for s in live]
             plan = plan_step(prompt_left, chunk_size, max_num_batched_tokens)
+            check_plan(plan, prompt_left, chunk_size, max_num_batched_tokens)
             running, num_new = [live[i] for i, _ in plan], [n for _, n in plan]
             step = PagedStep(plan=[(s.request, s.num_cached, n) for s, n in zip(running, num_new)])
             last_hidden = run_step(model, pool, blocks, running, num_new)

@@ -27,8 +27,9 @@ from minivllm.stages.kv_cache import KVCache, append_kv
 
 
 def cu_seqlens(lengths: list[int]) -> list[int]:
-    """Offsets of segments laid end to end: [0, n0, n0 + n1, ..., T] (one more than lengths).
-    Segment i is the flat tokens cu[i] .. cu[i+1]-1."""
+    """Offsets of segments laid end to end: a list of len(lengths) + 1 ints, [0, n0, n0 + n1,
+    ..., T] with T = sum(lengths) (no lengths: [0]). Segment i is the flat tokens
+    cu[i] .. cu[i+1]-1. RaggedAttention refuses any other list with a ValueError."""
     # BEGIN SOLUTION
     offsets = [0]
     for n in lengths:
@@ -53,7 +54,14 @@ class RaggedAttention:
 
     def __init__(self, segments: list[Segment]):
         self.segments = segments
-        self.cu = cu_seqlens([s.num_new for s in segments])
+        lengths = [s.num_new for s in segments]
+        self.cu = cu_seqlens(lengths)
+        # Offsets that drop or shift a segment would leave a sequence without its next token,
+        # and the stage waiting for it forever: refuse them here, where the cause is plain.
+        if not (isinstance(self.cu, list) and self.cu[:1] == [0]
+                and [b - a for a, b in zip(self.cu, self.cu[1:])] == lengths):
+            raise ValueError(f"cu_seqlens({lengths}) returned {self.cu!r}: expected a list of {len(lengths) + 1} "
+                             f"offsets from 0 to {sum(lengths)}, consecutive ones differing by the lengths")
         self.masks = [self.mask(s) for s in segments]  # built once, used by every layer
 
     def mask(self, segment: Segment) -> torch.Tensor | None:
@@ -62,6 +70,15 @@ class RaggedAttention:
         return causal_mask(segment.num_new, segment.cache.k.device) if segment.num_new > 1 else None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One layer's attention over the step's flat run: q [T, Hq, D], k and v [T, Hkv, D],
+        T = self.cu[-1]; returns [T, Hq, D], row t for query t.
+
+        Segment i (self.segments[i], flat rows self.cu[i]..self.cu[i+1]-1) first writes its k
+        and v rows into its own cache, at rows past..past+num_new-1 of segment.cache.k[layer]
+        and segment.cache.v[layer] (chapter 2's append_kv); then its queries attend to that
+        cache's rows 0..past+num_new-1 with self.masks[i] (chapter 1's attend; a mask of None
+        lets every query see every key). Segments never see each other and no [T, T] matrix is
+        built. Leave cache.length alone: the stage moves it on once every layer has run."""
         # BEGIN SOLUTION
         out = torch.empty_like(q)
         for segment, mask, start, end in zip(self.segments, self.masks, self.cu, self.cu[1:]):
@@ -115,8 +132,11 @@ def run_step(
     positions = torch.cat([torch.arange(seg.past, seg.past + seg.num_new, device=model.device) for seg in segments])
     attention = attention_type(segments)
     hidden = model(as_tensor(ids, model.device), positions, attention)
-    for s, n in zip(seqs, num_new):
-        s.cache.length += n
+    for s, seg in zip(seqs, segments):
+        if s.cache.length != seg.past:  # every layer must have seen the same past
+            raise RuntimeError(f"the attention moved cache.length from {seg.past} to {s.cache.length}: leave it "
+                               "alone, the stage moves it on once every layer has run")
+        s.cache.length += seg.num_new
     return hidden[as_tensor(attention.cu[1:], model.device) - 1]
 
 

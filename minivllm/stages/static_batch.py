@@ -30,9 +30,10 @@ batched_attend = torch.vmap(attend)
 
 
 def left_pad(prompts: list[list[int]], device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and positions of the left-padded batch, both [B, L], L = the longest prompt.
-    Positions count from 0 at each row's first real token (as if it ran alone); padding gets
-    position 0, which does not matter since no real token sees it."""
+    """Token ids and positions of the B prompts left-padded into a rectangle: (ids, positions),
+    both [B, L] int64 tensors on `device`, L = the longest prompt. Row b is L - len(prompts[b])
+    PAD_ID tokens, then the prompt. Positions count from 0 at each row's first real token (as
+    if it ran alone); padding gets position 0, which does not matter since no real token sees it."""
     # BEGIN SOLUTION
     L = max(len(p) for p in prompts)
     ids = torch.tensor([[PAD_ID] * (L - len(p)) + p for p in prompts], device=device)
@@ -43,11 +44,12 @@ def left_pad(prompts: list[list[int]], device: torch.device | str | None = None)
 
 
 def count_waste(prompt_lens: list[int], output_lens: list[int]) -> tuple[int, int]:
-    """(token_slots, wasted_slots) of one static batch run to completion (every output >= 1).
+    """(token_slots, wasted_slots), two ints, of one static batch run to completion: B rows,
+    row b with a prompt of prompt_lens[b] tokens and output_lens[b] >= 1 new tokens.
 
-    Prefill computes the whole [B, L] rectangle; then each of the max(output_lens) - 1 decode
-    steps computes one slot per row, finished or not. Wasted: the padding, and the slots of
-    rows whose request already has all its tokens."""
+    Prefill computes the whole [B, L] rectangle, L = max(prompt_lens); then each of the
+    max(output_lens) - 1 decode steps computes one slot per row, finished or not. Wasted: the
+    padding, and the slots of rows whose request already has all its tokens."""
     # BEGIN SOLUTION
     B, L, N = len(prompt_lens), max(prompt_lens), max(output_lens)
     slots = B * L

@@ -1,0 +1,77 @@
+"""The course's pictures show what their titles and the chapters say: the padded batch as B
+separate [L, L] matrices, engine steps as bars (never interpolated), and chapter 7's timeline
+with its preemptions marked, in a run that has some."""
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from types import SimpleNamespace
+
+import matplotlib
+import matplotlib.pyplot as plt
+import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.colors import to_rgba
+
+import minivllm
+from minivllm.engine.trace import DECODE, PREEMPTED, PREFILL, TIMELINE_LABELS, WAITING
+from minivllm.plots.batching import plot_padded_vs_ragged
+from minivllm.plots.scheduling import plot_step_composition, plot_timeline
+
+matplotlib.use("Agg")
+CHAPTER_7 = Path(__file__).parents[1] / "chapters" / "07_continuous_batching.py"
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def drawn_cells(ax) -> int:
+    """Cells of the axes' image that are not blank (white)."""
+    image = ax.images[0]
+    rgba = image.to_rgba(image.get_array(), bytes=True)  # [rows, cols, 4] in 0..255
+    return int((rgba[..., :3] != 255).any(-1).sum())
+
+
+def test_padded_panel_draws_one_matrix_per_row_and_counts_its_cells():
+    lengths = [5, 2, 7]
+    B, L, T = len(lengths), max(lengths), sum(lengths)
+    fig = plot_padded_vs_ragged(lengths)
+    padded, ragged = fig.axes[:2]
+    assert drawn_cells(padded) == B * L * L, "the padded panel should draw B squares of L x L scores, nothing between"
+    assert f"{B * L * L} scores" in padded.get_title()
+    assert drawn_cells(ragged) == T * T and f"{T * T} scores as one mask" in ragged.get_title()
+
+
+def test_step_composition_draws_one_bar_per_step():
+    prefill, decode = [64, 0, 12, 0], [0, 3, 3, 2]
+    fig = plot_step_composition(prefill, decode, budget=64, title="steps")
+    ax = fig.axes[0]
+    assert not any(isinstance(c, PolyCollection) for c in ax.collections), "a stackplot interpolates between steps"
+    decode_bars, prefill_bars = ax.containers
+    assert [b.get_height() for b in decode_bars] == decode and [b.get_height() for b in prefill_bars] == prefill
+    assert [b.get_y() for b in prefill_bars] == decode  # prefill stacked on the step's decodes
+
+
+def test_timeline_marks_each_preemption():
+    grid = [[PREFILL, DECODE, PREEMPTED, WAITING, PREFILL, DECODE],
+            [WAITING, PREFILL, DECODE, DECODE, PREEMPTED, WAITING]]
+    fig = plot_timeline(["0", "1"], grid, TIMELINE_LABELS, "two requests", marked=PREEMPTED)
+    ax = fig.axes[0]
+    markers = [line for line in ax.lines if line.get_marker() not in (None, "None", "")]
+    assert len(markers) == 1 and sorted(zip(markers[0].get_xdata(), markers[0].get_ydata())) == [(2, 0), (4, 1)]
+    assert to_rgba(markers[0].get_color()) != to_rgba("white")
+    assert any("preempted (2×)" in t.get_text() for t in ax.get_legend().get_texts())
+
+
+def test_chapter_7_timeline_run_has_preemptions(monkeypatch, tmp_path):
+    """The settings of chapter 7's traced run make the scheduler preempt (the chapter's hardest
+    idea must be in its picture), whatever the machine's speed: arrivals are counted in steps."""
+    chapter = runpy.run_path(str(CHAPTER_7), run_name="chapter_7")
+    saved = []
+    monkeypatch.setattr(chapter["plots"], "save", lambda fig, name: saved.append(name) or tmp_path / name)
+    facts = chapter["timeline"](minivllm.load_model(device="cpu"), SimpleNamespace(seed=0))
+    assert facts["preemptions"] > 0 and facts["recomputed_tokens"] > 0, facts
+    assert saved == ["07_timeline", "07_step_composition"]
