@@ -16,7 +16,7 @@ from rich.progress import Progress
 from minivllm import plots
 from minivllm.bench import (StageResult, Workload, console, environment, format_bytes, format_tokens_per_second,
                             make_workload, run_stage, save_results)
-from minivllm.loader import load_model
+from minivllm.loader import CONFIGS, load_model
 from minivllm.model import Decoder
 from minivllm.peers import hf_generate_batch, hf_static_generate, to_transformers, token_positions
 from minivllm.plots.lines import plot_bars
@@ -29,6 +29,15 @@ from minivllm.stages.common import StageStats
 # continuous and Triton stages share memory across the whole workload and always run on all of it.
 SAMPLED_STAGES = {"naive": 4, "kv_cache": 8, "static_batch": 32, "ragged_batch": 32, "chunked_prefill": 32}
 LARGE_WORKLOAD_TOKENS = 20_000
+# On a GPU the early stages are launch-bound (tens of ms per token for a 0.6B model: Python
+# launches every kernel of every layer), so their samples are smaller there: the tour must
+# finish in minutes. Their rates are per-request properties and extrapolate as well.
+GPU_SAMPLED_STAGES = {"naive": 2, "kv_cache": 4, "static_batch": 16, "ragged_batch": 16, "chunked_prefill": 16}
+# What `minivllm tour --device cuda` runs when not told otherwise: a real model shape (random
+# weights) and a workload sized so that every stage's lesson shows and the whole ladder,
+# transformers included, fits in about five minutes on one H100.
+GPU_DEFAULT_MODEL = "qwen3-0.6b.json"
+GPU_DEFAULT_WORKLOAD = "ladder_gpu"
 # On a CPU, Triton kernels run only in Triton's interpreter (an emulator, thousands of times
 # slower than compiled code): the tour runs them on a couple of requests to check the tokens.
 INTERPRETER_SAMPLE = 2
@@ -71,11 +80,17 @@ def agreement(result: StageResult, reference: dict[int, list[int]]) -> str:
 
 
 def run_tour(
-    source: Any = None, device: str | None = None, dtype: torch.dtype | None = None, workload: str = "classroom",
+    source: Any = None, device: str | None = None, dtype: torch.dtype | None = None, workload: str | None = None,
     stages: list[str] | None = None, num_requests: int | None = None, seed: int = 0, check: int = 4,
     figure: str | None = None, results_name: str | None = None, peers: bool = True,
 ) -> dict[str, Any]:
-    """Run the ladder; returns the JSON payload (also written to benchmarks/results/)."""
+    """Run the ladder; returns the JSON payload (also written to benchmarks/results/). On a GPU
+    the model defaults to the Qwen3-0.6B shape and the workload to "ladder_gpu"."""
+    started = time.perf_counter()
+    on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    if on_gpu and source is None:
+        source = CONFIGS / GPU_DEFAULT_MODEL  # the embedded 4M model would measure only launch overhead
+    workload = workload or (GPU_DEFAULT_WORKLOAD if on_gpu else "classroom")
     model = load_model(source, device=device, dtype=dtype)
     stages = stages or list(STAGES)
     if "triton" in stages and model.device.type == "cpu":
@@ -111,12 +126,12 @@ def run_tour(
     payload = dict(environment=env, workload=dict(name=work.name, description=work.describe(), seed=seed,
                    prompt_lens=[len(p) for p in work.prompts], output_lens=work.output_lens),
                    kv_bytes_per_token=model.config.kv_bytes_per_token(model.dtype), rows=rows,
-                   created=time.strftime("%Y-%m-%d %H:%M:%S"))
+                   created=time.strftime("%Y-%m-%d %H:%M:%S"), tour_seconds=time.perf_counter() - started)
     _print_table(payload)
     kind = model.device.type
     path = save_results(results_name or f"tour_{kind}_{workload}", payload)
     fig_path = plots.save(_ladder_figure(payload), figure or ("ladder" if kind == "cpu" else f"ladder_{kind}"))
-    console.print(f"saved {path} and {fig_path}")
+    console.print(f"saved {path} and {fig_path} (the whole tour took {payload['tour_seconds']:.0f} s)")
     return payload
 
 
@@ -128,7 +143,8 @@ def _run_one(name: str, generate: Any, model: Decoder, work: Workload, reference
         result = run_stage(name, generate, model, work.subset(INTERPRETER_SAMPLE))
         note = f"Triton interpreter on CPU, {INTERPRETER_SAMPLE} requests: checks tokens, not speed"
     elif name in SAMPLED_STAGES and work.num_output_tokens > LARGE_WORKLOAD_TOKENS:
-        sampled = work.subset(SAMPLED_STAGES[name])
+        sizes = GPU_SAMPLED_STAGES if model.device.type == "cuda" else SAMPLED_STAGES
+        sampled = work.subset(sizes[name])
         result = run_stage(name, generate, model, sampled)
         note = f"ran {len(sampled.prompts)} of {len(work.prompts)} requests, rate extrapolated"
     else:

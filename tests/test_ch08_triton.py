@@ -136,6 +136,88 @@ def test_decode_partials_merge_to_full_attention(kernels):
                                atol=1e-5, rtol=1e-5)
 
 
+def decode_problem(contexts: list[int], block_size: int = 16, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
+                   seed: int = 0):
+    """q and a pool holding one decode step's sequences with these context lengths."""
+    batch, num_blocks = make_batch([c - 1 for c in contexts], [1] * len(contexts), block_size, seed=seed)
+    pool = make_pool(num_blocks, block_size, kv_heads, head_dim, seed=seed + 5)
+    q = torch.randn(len(contexts), heads, head_dim, generator=torch.Generator().manual_seed(seed))
+    return q, pool, batch
+
+
+def test_decode_plan_fills_the_gpu_and_stays_bounded(kernels):
+    """The split is chosen from host integers: one partition where the (sequence, KV head)
+    pairs already fill the GPU or contexts are short, more where they do not, never partitions
+    shorter than MIN_PARTITION_TILES tiles nor more than MAX_PARTITIONS, whatever max_context_len."""
+    plan, h100 = kernels.decode_plan, 132
+    assert plan(64, 8, 256, 64, h100) == 1  # 4 tiles: one short partition, a single pass
+    assert plan(256, 8, 4096, 64, h100) == 1  # 2,048 pairs already fill 132 SMs
+    p = plan(64, 8, 4096, 64, h100)
+    assert 1 < p <= 4096 // (64 * kernels.MIN_PARTITION_TILES)
+    assert 64 * 8 * p >= kernels.PROGRAMS_PER_SM * h100 // 2  # enough programs for every SM
+    for batch in (1, 4, 64, 256):
+        for context in (1, 16, 128, 1000, 40960):
+            p = plan(batch, 8, context, 64, h100)
+            assert 1 <= p <= kernels.MAX_PARTITIONS
+            assert p == 1 or -(-context // 64) >= p * kernels.MIN_PARTITION_TILES
+    assert plan(64, 8, 4096, 64, h100, partition_size=512) == 8  # asked for explicitly
+    for head_dim in (32, 64, 80, 128, 256):
+        for element_size in (2, 4):
+            block_n, warps, stages = kernels.decode_tiles(head_dim, element_size)
+            assert 16 <= block_n <= 128 and block_n & (block_n - 1) == 0 and warps in (4, 8) and stages >= 2
+            block_d = 1 << (head_dim - 1).bit_length()  # the tile's padded width
+            assert block_n * block_d * element_size <= 16384  # a K or V tile fits 16 KiB
+
+
+# Contexts far shorter than the grid's max_context_len (as in a CUDA graph sized for the
+# engine's longest context), of mixed lengths, one of them a single token.
+MIXED = [1, 40, 7, 23, 16]
+
+
+@pytest.mark.parametrize("max_context_len, partition_size, path", [
+    (40, None, "single"),  # auto: 5 x 2 pairs fill the interpreter's pretend GPU; one pass
+    (4096, 4096, "single"),  # one partition of the longest allowed context: a single pass
+    (4096, 1024, "split"),  # 4 partitions of each sequence's own context: some empty
+    (4096, 64, "split"),  # 64 partitions, nearly all empty
+    (64, 16, "split"),  # one-tile partitions
+])
+def test_decode_paths_match_float64(kernels, max_context_len, partition_size, path):
+    q, pool, batch = decode_problem(MIXED)
+    args = (q, pool.k[0], pool.v[0], batch.block_tables, batch.context_lens_tensor, max_context_len)
+    P = kernels.decode_plan(len(MIXED), 2, max_context_len, 16, kernels.INTERPRETER_SMS, partition_size)
+    assert (P == 1) == (path == "single")
+    got = kernels.paged_decode(*args, partition_size=partition_size, block_n=16)
+    torch.testing.assert_close(got.double(), reference(q, pool, batch), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_partials_of_short_contexts_are_empty(kernels):
+    """Under a grid sized for 4,096 tokens, each sequence's own context is cut into the P
+    partitions; those past its end hold (-inf, 0, 0), and all of them merge to full attention."""
+    q, pool, batch = decode_problem(MIXED, seed=1)
+    maxes, sums, accs = kernels.paged_decode_partials(q, pool.k[0], pool.v[0], batch.block_tables,
+                                                      batch.context_lens_tensor, 4096, partition_size=512, block_n=16)
+    assert maxes.shape == (5, 4, 8) and accs.shape == (5, 4, 8, 64)
+    for s, context in enumerate(MIXED):
+        used = -(-context // 16)  # one tile per partition: 8 partitions, at most 3 tiles here
+        assert torch.isfinite(maxes[s, :, :used]).all() and torch.isinf(maxes[s, :, used:]).all()
+        assert (sums[s, :, used:] == 0).all() and (accs[s, :, used:] == 0).all()
+    torch.testing.assert_close(kernels.merge_partials(maxes, sums, accs).double(), reference(q, pool, batch),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("partition_size", [None, 16])
+def test_decode_of_an_empty_context_is_zero(kernels, partition_size):
+    """A row with no context at all (which no real sequence has) gives zeros, not NaN, in
+    both passes; its neighbours are untouched."""
+    q, pool, batch = decode_problem([5, 30], seed=2)
+    lens = batch.context_lens_tensor.clone()
+    lens[0] = 0
+    got = kernels.paged_decode(q, pool.k[0], pool.v[0], batch.block_tables, lens, 30,
+                               partition_size=partition_size, block_n=16)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    torch.testing.assert_close(got[1].double(), reference(q, pool, batch)[1], atol=1e-5, rtol=1e-5)
+
+
 def random_partials(scores: torch.Tensor, values: torch.Tensor, bounds: list[int]):
     """Split keys at `bounds` and compute each part's (max, sum, acc) in float64."""
     maxes, sums, accs = [], [], []
@@ -199,6 +281,5 @@ def test_engine_refuses_triton_before_allocating_its_kv_pool(kernels, model, mon
 def test_triton_stage_matches_transformers(kernels, model, hf_model, reference):
     from minivllm.stages import STAGES
 
-    assert list(STAGES)[-1] == "triton"
     out = STAGES["triton"](model, PROMPTS, LENGTHS, **ENGINE)
     assert out == [reference(hf_model, p, n) for p, n in zip(PROMPTS, LENGTHS)]

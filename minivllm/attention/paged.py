@@ -43,7 +43,13 @@ class KVPool:
 
 
 def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Flat pool slots of token positions start..end-1 of a sequence with this block table."""
+    """Flat pool slots of token positions start..end-1 of a sequence with this block table.
+
+    block_table: the sequence's physical block ids in logical order (long enough to hold
+    position end - 1); start <= end: token positions; block_size: tokens per block. Returns a
+    list of end - start ints: position p lives in block block_table[p // block_size] at offset
+    p % block_size, i.e. in slot block_table[p // block_size] * block_size + p % block_size of
+    the pool seen as one long row of slots. start == end gives []."""
     # BEGIN SOLUTION
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
     # END SOLUTION
@@ -58,10 +64,18 @@ class PagedBatch:
     query_lens: list[int]
     query_start: list[int]  # [S + 1], cumulative query_lens (cu_seqlens)
     context_lens: list[int]
-    block_tables: torch.Tensor  # [S, max_blocks] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32 (int64 from the chapter-9 runner)
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K and V are written
-    query_start_tensor: torch.Tensor  # [S + 1] int32, query_start on the device
-    context_lens_tensor: torch.Tensor  # [S] int32, context_lens on the device
+    query_start_tensor: torch.Tensor  # [S + 1], query_start on the device
+    context_lens_tensor: torch.Tensor  # [S], context_lens on the device
+    # Sizes gathers and kernel grids, known on the host so nothing waits for the GPU. It is
+    # max(context_lens) unless given: a CUDA graph (chapter 9) fixes it at the longest context
+    # the engine allows, because a replayed graph cannot change its shapes.
+    max_context_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_context_len is None:
+            self.max_context_len = max(self.context_lens)
 
     @classmethod
     def build(
@@ -96,7 +110,13 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first `context_len` cached tokens of one sequence, in order: [context_len, Hkv, D]."""
+    """The first `context_len` cached tokens of one sequence, in order: [context_len, Hkv, D].
+
+    cache: one layer's K (or V) pool, [num_blocks, block_size, Hkv, D]; block_table: the
+    sequence's physical block ids as a 1-D integer tensor, possibly padded with -1 past its
+    last block (entries past ceil(context_len / block_size) must never be read); context_len:
+    how many tokens to read, >= 1. Token p comes from block block_table[p // block_size] at
+    offset p % block_size. Returns a new tensor (the pool is not changed)."""
     # BEGIN SOLUTION
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)  # ceil
@@ -141,6 +161,9 @@ class PagedAttention:
 
     def __init__(self, pool: KVPool, batch: PagedBatch):
         self.pool, self.batch = pool, batch
+        if batch.is_decode:  # every row is a decode row, in order: the batch's tensors serve as they are
+            self.chunks = []
+            return
         device = pool.k.device
         starts = batch.query_start  # the host copy: reading the device one back would wait for the GPU
         decodes = [s for s, q_len in enumerate(batch.query_lens) if q_len == 1]
@@ -155,8 +178,9 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, batch = self.pool.k[layer], self.pool.v[layer], self.batch
         store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        if not self.chunks:  # a pure decode step: every row is a decode row, in order
-            return paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens, self.max_decode_len)
+        if batch.is_decode:
+            return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens_tensor,
+                                batch.max_context_len)
         out = torch.empty_like(q)
         if len(self.decode_rows):
             out[self.decode_rows] = paged_decode(q[self.decode_rows], k_cache, v_cache, self.decode_tables,

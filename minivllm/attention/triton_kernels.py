@@ -12,6 +12,8 @@ longest context, is most of the cost. The kernels here follow the block table th
                                   context for all query heads of one KV head -> a partial
                                   softmax (max, sum, unnormalised weighted V)
                           pass 2: merge the partitions of each (sequence, head)
+                        or, when one partition per sequence already fills the GPU, a single
+                        pass that finishes the softmax and writes the output (decode_plan)
     paged_prefill       ragged query chunks of several sequences in one flat run, each
                         attending causally to its cached past plus its own chunk
 
@@ -34,9 +36,9 @@ exercise, is that merge in PyTorch; `_merge_partials_kernel` is the same code in
 Memory traffic of a decode step, per layer: the cached K and V of every sequence, read once
 (2 x context x Hkv x D elements per sequence; the Hq / Hkv query heads of a KV head share the
 read), plus q and the output, plus the fp32 partials written by pass 1 and read by pass 2
-(Hq x P x (D + 2) floats per sequence, P = number of partitions). At batch 64 x 4,096 tokens
-with Qwen3-0.6B's heads in bf16 that is 1 GiB of K/V against 4 MiB of partials: the kernel
-can only be as fast as the GPU reads memory, and a good one gets close.
+(Hq x P x (D + 2) floats per sequence for P partitions; none when P = 1). At batch 64 x 4,096
+tokens with Qwen3-0.6B's heads in bf16 that is 1 GiB of K/V against 2 MiB of partials: the
+kernel can only be as fast as the GPU reads memory, and a good one gets close.
 
 Triton is imported at the top: import this module only where triton is installed. Kernels are
 compiled for the GPU unless TRITON_INTERPRET=1 was set before this module was imported, in
@@ -44,6 +46,8 @@ which case they run (slowly) on the CPU in Triton's interpreter (see INTERPRETED
 interpreter gets bfloat16 matmuls wrong (triton-lang/triton#11584), so CPU checks use float32.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -76,20 +80,34 @@ def merge_partials(maxes: torch.Tensor, sums: torch.Tensor, accs: torch.Tensor) 
 
 
 @triton.jit
+def _block_ids(table_ptr, positions, context_len, BLOCK_SIZE: tl.constexpr):
+    """The physical block of each of `positions` (BLOCK_N logical token positions of one
+    sequence): one block-table entry per token (neighbouring tokens share entries; those loads
+    hit the L1 cache). Positions past the context read nothing and get block 0, masked later."""
+    return tl.load(table_ptr + positions // BLOCK_SIZE, mask=positions < context_len, other=0)
+
+
+@triton.jit
+def _kv_rows(block, positions, context_len, kv_head, dims, dim_ok,
+             stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):
+    """Offsets of the K/V rows of `positions`, whose blocks are `block`, in the pool, for one
+    KV head, and which of them exist (position < context_len). K and V pools have the same
+    shape, so the same offsets serve both."""
+    exists = positions < context_len
+    row = block.to(tl.int64) * stride_block + (positions % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    offsets = row[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]: D contiguous elements per row
+    return offsets, exists[:, None] & dim_ok[None, :], exists
+
+
+@triton.jit
 def _kv_tile(
     table_ptr, positions, context_len, kv_head, dims, dim_ok,
     stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr,
 ):
-    """Offsets of the K/V rows of `positions` (BLOCK_N logical token positions of one
-    sequence) in the pool, for one KV head, and which of them exist (position < context_len).
-    K and V pools have the same shape, so the same offsets serve both."""
-    exists = positions < context_len
-    # One block-table entry per token (neighbouring tokens share entries; those loads hit
-    # the L1 cache). Positions past the context read nothing and get block 0, masked later.
-    block = tl.load(table_ptr + positions // BLOCK_SIZE, mask=exists, other=0)
-    row = block.to(tl.int64) * stride_block + (positions % BLOCK_SIZE) * stride_slot + kv_head * stride_head
-    offsets = row[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]: D contiguous elements per row
-    return offsets, exists[:, None] & dim_ok[None, :], exists
+    """_block_ids then _kv_rows: where the K/V rows of `positions` live, and which exist."""
+    block = _block_ids(table_ptr, positions, context_len, BLOCK_SIZE)
+    return _kv_rows(block, positions, context_len, kv_head, dims, dim_ok, stride_block, stride_slot, stride_head,
+                    BLOCK_SIZE)
 
 
 @triton.jit
@@ -160,57 +178,138 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 # 2. Decode: split-K ("flash-decoding") over the paged context
 # ------------------------------------------------------------------------------------------
 
+# How the decode work is cut (decode_plan). A (sequence, KV head) pair is the natural unit:
+# its query heads share every K/V byte it reads. At batch 64 with 8 KV heads that is 512
+# programs, about four per SM of an H100 (132 SMs): too few to keep enough loads in flight,
+# so each pair's context is split into P partitions, one program each, and a second kernel
+# merges the P partial softmaxes. Splitting has a price: P partial results in fp32 written
+# and read back, and a second launch. So:
+# - P comes from the grid: enough programs for PROGRAMS_PER_SM on every SM (measured on an
+#   H100 at batch 64 x 4,096: 2,048 to 4,096 programs reach 93-95 % of copy bandwidth, 1,024
+#   reach 81 %), never partitions shorter than MIN_PARTITION_TILES tiles (their partials and
+#   merge would cost more than the parallelism buys), and never more than MAX_PARTITIONS.
+# - P == 1 (big batches, short contexts) is a single pass: the kernel normalises its own
+#   result and writes the output; no partials, no merge launch.
+# - P depends on host integers only (batch, KV heads, max_context_len, the GPU's SM count),
+#   never on the contexts themselves, so a CUDA graph can capture the launch. The kernel then
+#   cuts *each sequence's own* context into P equal partitions (whole tiles): a sequence much
+#   shorter than max_context_len (a graph sizes the grid for the longest context the engine
+#   allows) is still shared by all P programs of its pair, and programs with nothing left to
+#   read write an empty partial (-inf, 0, 0) that the merge weighs by 0.
+# Chapter 8's first version cut fixed 512-token partitions of max_context_len. At batch 64 x
+# 256 tokens that was one partition per pair, still followed by a merge launch over fp32
+# partials (236 us measured on an H100, launches included, where SDPA on dense K/V took 37);
+# and under a CUDA graph sized for Qwen3-0.6B's 40,960 tokens every pair would have had 80
+# partitions, nearly all empty, each writing a partial for the merge to read back.
+PROGRAMS_PER_SM = 16
+MIN_PARTITION_TILES = 4
+MAX_PARTITIONS = 64
+INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; only the speed of a check depends on this
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU (132 on an H100 SXM); INTERPRETER_SMS on a CPU."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_tiles(head_dim: int, element_size: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a head size and K/V element size: a K or V tile of
+    16 KiB (64 tokens x 128 dims in bf16, the best measured on an H100, with 128 tokens as
+    good), so each load is large enough to stream memory, and three pipeline stages, which keep
+    two K/V tiles in flight per program (about 70 KiB of shared memory in bf16: three programs
+    fit on an SM). head_dim 64 -> 128 tokens, 256 -> 32 tokens and 8 warps."""
+    block_d = triton.next_power_of_2(head_dim)
+    block_n = max(16, min(128, 16384 // (block_d * element_size)))
+    return block_n, 4 if block_d <= 128 else 8, 3
+
+
+def decode_plan(num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int,
+                partition_size: int | None = None) -> int:
+    """The number of partitions P each (sequence, KV head) pair's context is split into.
+    partition_size, if given, asks for partitions of that many tokens of a max_context_len-long
+    context: P = ceil(max_context_len / partition_size). Otherwise P fills the GPU (see above)."""
+    if partition_size is not None:
+        return triton.cdiv(max_context_len, partition_size)
+    tiles = triton.cdiv(max_context_len, block_n)  # tiles of the longest context
+    to_fill = PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
+    return max(1, min(to_fill, tiles // MIN_PARTITION_TILES, MAX_PARTITIONS))
+
 
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    max_ptr, sum_ptr, acc_ptr, scale,
+    out_ptr, max_ptr, sum_ptr, acc_ptr, scale,
     stride_q_seq, stride_q_head, stride_block, stride_slot, stride_head, stride_table,
-    stride_part_seq, stride_part_head, stride_acc_seq, stride_acc_head, stride_acc_part,
+    stride_out_seq, stride_out_head, stride_part_seq, stride_part_head, stride_acc_seq, stride_acc_head,
+    stride_acc_part,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINGLE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Program (sequence, KV head, partition) reads tokens [partition * PARTITION_SIZE, +
-    # PARTITION_SIZE) of the sequence's context, BLOCK_N tokens at a time, for the
-    # QUERIES_PER_KV query heads that share this KV head: each K/V byte is read from memory
-    # once and used by all of them (grouped-query attention without copying K/V).
+    # Program (sequence, KV head, partition) reads one partition of the sequence's context,
+    # BLOCK_N tokens at a time, for the QUERIES_PER_KV query heads that share this KV head:
+    # each K/V byte is read from memory once and used by all of them (grouped-query attention
+    # without copying K/V).
     seq, kv_head, partition = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_partitions = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + seq)
 
     # The group's queries as the rows of a [BLOCK_G, BLOCK_D] tile. BLOCK_G >= 16 because
     # tensor-core matmuls need 16 rows; the padding rows (zeros) cost no memory traffic.
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * QUERIES_PER_KV + group
+    head_ok = group < QUERIES_PER_KV
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q_mask = (group < QUERIES_PER_KV)[:, None] & dim_ok[None, :]
+    q_mask = head_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m_i)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of exp(score - m_i) * v
-    start = partition * PARTITION_SIZE
-    end = tl.minimum(start + PARTITION_SIZE, context_len)  # may be <= start: an empty partition
+    # This sequence's context in num_partitions equal runs of whole tiles: partition sizes
+    # follow the real context, not the grid's max_context_len. Late partitions of a short
+    # context are empty (start >= end) and read nothing.
+    per_partition = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_partitions) * BLOCK_N
+    start = partition * per_partition
+    end = tl.minimum(start + per_partition, context_len)
     table = block_tables_ptr + seq * stride_table
+    # The block-table entries of the *next* tile are loaded one iteration ahead. Without that,
+    # each tile's K/V addresses would wait on a table load of the same iteration, and Triton's
+    # software pipeliner would keep a single K/V tile in flight (fetched, then waited for at
+    # once); with it, the addresses come from the previous iteration and num_stages=3 keeps two
+    # tiles in flight per program: one being read from memory while the other is computed on.
+    positions = start + tl.arange(0, BLOCK_N)
+    block = _block_ids(table, positions, end, BLOCK_SIZE)
     for tile in range(start, end, BLOCK_N):
-        positions = tile + tl.arange(0, BLOCK_N)
-        offsets, kv_mask, exists = _kv_tile(table, positions, context_len, kv_head, dims, dim_ok,
+        offsets, kv_mask, exists = _kv_rows(block, positions, context_len, kv_head, dims, dim_ok,
                                             stride_block, stride_slot, stride_head, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        positions += BLOCK_N
+        block = _block_ids(table, positions, end, BLOCK_SIZE)  # the next tile's, read past nothing
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
         scores = tl.where(exists[None, :], scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc)
 
-    # Unnormalised partial results: the merge needs max and sum to weigh partitions. An empty
-    # partition stores (-inf, 0, 0), which the merge weighs by exp(-inf) = 0.
-    part = seq * stride_part_seq + heads * stride_part_head + partition
-    head_ok = group < QUERIES_PER_KV
-    tl.store(max_ptr + part, m_i, mask=head_ok)
-    tl.store(sum_ptr + part, l_i, mask=head_ok)
-    acc_offsets = seq * stride_acc_seq + heads[:, None] * stride_acc_head + partition * stride_acc_part + dims[None, :]
-    tl.store(acc_ptr + acc_offsets, acc, mask=q_mask)
+    if SINGLE_PASS:
+        # One partition saw the whole context: finish the softmax here. (A context of 0
+        # tokens, which no real sequence has, gives zeros rather than 0 / 0.)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # Unnormalised partial results: the merge needs max and sum to weigh partitions. An
+        # empty partition stores (-inf, 0, 0), which the merge weighs by exp(-inf) = 0.
+        part = seq * stride_part_seq + heads * stride_part_head + partition
+        tl.store(max_ptr + part, m_i, mask=head_ok)
+        tl.store(sum_ptr + part, l_i, mask=head_ok)
+        acc_offsets = (seq * stride_acc_seq + heads[:, None] * stride_acc_head + partition * stride_acc_part
+                       + dims[None, :])
+        tl.store(acc_ptr + acc_offsets, acc, mask=q_mask)
 
 
 @triton.jit
@@ -232,47 +331,77 @@ def _merge_partials_kernel(
     acc_offsets = (seq * stride_acc_seq + head * stride_acc_head + parts[:, None] * stride_acc_part
                    + dims[None, :])
     accs = tl.load(acc_ptr + acc_offsets, mask=part_ok[:, None] & dim_ok[None, :], other=0.0)
-    weights = tl.exp(maxes - tl.max(maxes, 0))  # [BLOCK_P]
+    m = tl.max(maxes, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # every partial empty (a 0-token context): zeros, not NaN
+    weights = tl.exp(maxes - m)  # [BLOCK_P]
     total = tl.sum(weights * sums, 0)
-    out = tl.sum(weights[:, None] * accs, 0) / total  # [BLOCK_D]
+    out = tl.sum(weights[:, None] * accs, 0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-def paged_decode_partials(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, max_context_len: int, partition_size: int = 512, block_n: int = 64,
-    num_warps: int = 4, num_stages: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pass 1 of decode: q [S, Hq, D] against each sequence's paged context, one partition of
-    `partition_size` tokens per program. Returns the partials (fp32): maxes [S, Hq, P],
-    sums [S, Hq, P], accs [S, Hq, P, D], with P = ceil(max_context_len / partition_size).
+def _decode_config(q: torch.Tensor, k_cache: torch.Tensor, max_context_len: int, partition_size: int | None,
+                   block_n: int | None, num_warps: int | None,
+                   num_stages: int | None) -> tuple[int, int, int, int]:
+    """(P, BLOCK_N, num_warps, num_stages) for a decode launch: the given ones, or the defaults."""
+    if max_context_len < 1 or (partition_size is not None and partition_size < 1):
+        raise ValueError(f"max_context_len and partition_size must be positive numbers of tokens, "
+                         f"got {max_context_len} and {partition_size}")
+    default_block_n, default_warps, default_stages = decode_tiles(q.shape[2], k_cache.element_size())
+    block_n, num_warps, num_stages = block_n or default_block_n, num_warps or default_warps, num_stages or default_stages
+    P = decode_plan(q.shape[0], k_cache.shape[2], max_context_len, block_n, sm_count(q.device), partition_size)
+    return P, block_n, num_warps, num_stages
 
-    max_context_len is passed as a Python int (the scheduler knows it) so that sizing the grid
-    never waits for the GPU."""
+
+def _launch_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, num_partitions: int, block_n: int, num_warps: int, num_stages: int,
+    single_pass: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pass 1 over a (S, Hkv, P) grid: the output [S, Hq, D] if single_pass (P = 1), else the
+    partials (maxes, sums, accs)."""
     _check_layout(q, k_cache, v_cache)
-    if partition_size % block_n:
-        raise ValueError(f"partition_size {partition_size} must be a multiple of block_n {block_n}")
     S, Hq, D = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-    P = triton.cdiv(max_context_len, partition_size)
-    maxes = torch.empty(S, Hq, P, dtype=torch.float32, device=q.device)
-    sums = torch.empty_like(maxes)
-    accs = torch.empty(S, Hq, P, D, dtype=torch.float32, device=q.device)
-    # Grid: S x Hkv x P programs. Without the split, batch 1 with 8 KV heads would be 8
-    # programs streaming a whole context each while the other SMs of the GPU (132 on an
-    # H100) idle; 512-token partitions of a 4,096-token context make that 64 programs, and
-    # at batch 64 they make 4,096, many waves of work for every SM.
+    P = num_partitions
+    if single_pass:
+        out = torch.empty(S, Hq, D, dtype=q.dtype, device=q.device)
+        maxes = sums = accs = out  # not written by the single pass
+        strides = (out.stride(0), out.stride(1), 0, 0, 0, 0, 0)
+    else:
+        maxes = torch.empty(S, Hq, P, dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxes)
+        accs = torch.empty(S, Hq, P, D, dtype=torch.float32, device=q.device)
+        out = maxes  # not written by the split pass
+        strides = (0, 0, maxes.stride(0), maxes.stride(1), accs.stride(0), accs.stride(1), accs.stride(2))
     _paged_decode_kernel[(S, Hkv, P)](
-        q, k_cache, v_cache, block_tables, context_lens, maxes, sums, accs, D**-0.5,
+        q, k_cache, v_cache, block_tables, context_lens, out, maxes, sums, accs, D**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        maxes.stride(0), maxes.stride(1), accs.stride(0), accs.stride(1), accs.stride(2),
+        *strides,
         BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
         QUERIES_PER_KV=Hq // Hkv, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=block_n,
-        PARTITION_SIZE=partition_size, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        SINGLE_PASS=single_pass, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
-    return maxes, sums, accs
+    return out if single_pass else (maxes, sums, accs)
+
+
+def paged_decode_partials(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, max_context_len: int, partition_size: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pass 1 of decode: q [S, Hq, D] against each sequence's paged context, split into P
+    partitions (decode_plan) read by one program each. Returns the partials (fp32): maxes
+    [S, Hq, P], sums [S, Hq, P], accs [S, Hq, P, D]; an empty partition holds (-inf, 0, 0).
+
+    max_context_len is a Python int (the scheduler knows it; a CUDA graph fixes it at the
+    longest context the engine allows) so that sizing the grid never waits for the GPU;
+    every context_lens[s] must be <= max_context_len. block_n, num_warps and num_stages
+    default to decode_tiles."""
+    P, block_n, num_warps, num_stages = _decode_config(q, k_cache, max_context_len, partition_size, block_n,
+                                                       num_warps, num_stages)
+    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, P, block_n, num_warps, num_stages,
+                          single_pass=False)
 
 
 def merge_partials_triton(maxes: torch.Tensor, sums: torch.Tensor, accs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -291,15 +420,23 @@ def merge_partials_triton(maxes: torch.Tensor, sums: torch.Tensor, accs: torch.T
 
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, max_context_len: int, partition_size: int = 512, block_n: int = 64,
-    num_warps: int = 4, num_stages: int = 2,
+    context_lens: torch.Tensor, max_context_len: int, partition_size: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton version of paged.paged_decode: q [S, Hq, D] -> [S, Hq, D], reading K/V in place.
+    One launch when decode_plan gives one partition (the kernel writes the output itself),
+    else pass 1 into fp32 partials and pass 2 to merge them. Arguments as paged_decode_partials.
 
     Memory traffic: every cached K/V byte of every sequence is read exactly once (shared by
-    the Hq / Hkv query heads of its KV head), plus q, the output and the small partials."""
-    partials = paged_decode_partials(q, k_cache, v_cache, block_tables, context_lens, max_context_len,
-                                     partition_size, block_n, num_warps, num_stages)
+    the Hq / Hkv query heads of its KV head), plus q, the output and, when split, the partials
+    (P x (D + 2) floats per query head, P <= MAX_PARTITIONS unless partition_size asks for more)."""
+    P, block_n, num_warps, num_stages = _decode_config(q, k_cache, max_context_len, partition_size, block_n,
+                                                       num_warps, num_stages)
+    if P == 1:
+        return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, 1, block_n, num_warps, num_stages,
+                              single_pass=True)
+    partials = _launch_decode(q, k_cache, v_cache, block_tables, context_lens, P, block_n, num_warps, num_stages,
+                              single_pass=False)
     return merge_partials_triton(*partials, dtype=q.dtype)
 
 

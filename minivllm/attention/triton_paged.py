@@ -62,7 +62,7 @@ class TritonPagedAttention:
         self.kernels = load_kernels(pool.k.device, pool.k.dtype)
         self.pool, self.batch = pool, batch
         # Grid sizes come from the Python-side lengths, so launching never waits for the GPU.
-        self.max_context_len, self.max_query_len = max(batch.context_lens), max(batch.query_lens)
+        self.max_context_len, self.max_query_len = batch.max_context_len, max(batch.query_lens)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, batch = self.pool.k[layer], self.pool.v[layer], self.batch

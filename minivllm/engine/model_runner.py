@@ -1,4 +1,4 @@
-"""Turn one step's schedule into a forward pass (chapter 7).
+"""Turn one step's schedule into a forward pass (chapter 7; made lean in chapter 9).
 
 The scheduler speaks in requests and token counts; the model speaks in flat tensors. The
 runner translates: it lays out every scheduled token side by side (`input_ids`, `positions`),
@@ -6,46 +6,83 @@ describes the layout for paged attention (`PagedBatch`: who owns which tokens, w
 and V go, which blocks hold their past), runs the model once, and computes logits only for
 the sequences whose computation reached their last token this step: a prefill chunk that
 stops mid-prompt has nothing to predict yet.
+
+Chapter 9 changes how, not what: the inputs are built with NumPy and reach the device in one
+non-blocking copy (prepare.py), decode steps can replay CUDA graphs (cuda_graphs.py), and the
+token-wise work can run as fused Triton kernels (fused.py). Each sits behind a switch.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch.profiler import record_function
 
 from minivllm.attention import paged_attention_class
-from minivllm.attention.paged import KVPool, PagedBatch
+from minivllm.attention.paged import KVPool
+from minivllm.engine.cuda_graphs import CudaGraph, GraphRunner
+from minivllm.engine.prepare import build_step_arrays, device_step, to_device
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.model import Decoder
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, num_blocks: int, block_size: int, attention: str = "torch"):
+    """attention: "torch" or "triton"; fused_ops: run the token-wise work as fused kernels;
+    cuda_graphs: replay decode steps from CUDA graphs (graph_class=EagerGraph stands in for
+    them on a CPU, for tests)."""
+
+    def __init__(
+        self, model: Decoder, num_blocks: int, block_size: int, attention: str = "torch", fused_ops: bool = False,
+        cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int | None = None,
+        graph_class: type = CudaGraph,
+    ):
         self.model = model
         # Checked before the pool is allocated: an attention backend that cannot run here fails at once.
         self.attention_class = paged_attention_class(attention, model.device, model.dtype)
-        self.pool = KVPool(model, num_blocks, block_size)
+        self.forward: Callable[..., torch.Tensor] = model
+        if fused_ops:
+            from minivllm import fused
+
+            fused.check_fused_ops(model.device, model.dtype)
+            fused.merge_projections(model)  # one GEMM for q/k/v and one for gate/up; weights become views, not copies
+            self.forward = lambda ids, positions, attention: fused.fused_forward(model, ids, positions, attention)
+        # One block more than the block manager hands out: the rows that pad a CUDA graph's
+        # batch read and write that one, so they never touch a request's cache.
+        self.pool = KVPool(model, num_blocks + 1, block_size)
+        self.graphs = None
+        if cuda_graphs:
+            with torch.inference_mode():
+                self.graphs = GraphRunner(self.forward, self.pool, self.attention_class, max_num_seqs,
+                                          max_model_len or model.config.max_position_embeddings, graph_class)
 
     @torch.inference_mode()
-    def run(self, schedule: SchedulerOutput) -> tuple[list[int], torch.Tensor]:
+    def run(self, schedule: SchedulerOutput) -> tuple[list[int], torch.Tensor, dict[int, torch.Tensor]]:
         """Run the scheduled tokens. Returns the indices (into schedule.seqs) of the sequences
-        that produce a token this step, and their logits [len(indices), vocab]."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        past_lens: list[int] = []
-        last_rows: list[int] = []  # row of each sampling sequence's last token in the flat run
-        sampling: list[int] = []
-        for i, (seq, n) in enumerate(zip(schedule.seqs, schedule.num_new_tokens)):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            past_lens.append(start)
-            if start + n == seq.num_tokens:  # caught up: the last position predicts a new token
-                sampling.append(i)
-                last_rows.append(len(input_ids) - 1)
-        device = self.model.device
-        batch = PagedBatch.build([seq.block_table for seq in schedule.seqs], past_lens, schedule.num_new_tokens,
-                                 self.pool.block_size, device)
-        attention = self.attention_class(self.pool, batch)
-        hidden = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), attention)
-        if not sampling:
-            return [], hidden.new_empty(0, self.model.config.vocab_size)
-        return sampling, self.model.lm_head(hidden[last_rows])
+        that produce a token this step, their logits [len(indices), vocab], and the logits of
+        every token computed this step [num_new_tokens, vocab] (row j predicts the token after
+        it) for each sequence whose request asked for prompt logprobs and computed prompt
+        tokens, keyed by its index."""
+        seqs, num_new = schedule.seqs, schedule.num_new_tokens
+        replay = self.graphs is not None and self.graphs.can_run(num_new)
+        with record_function("prepare"):
+            if replay:  # padded to a captured batch size, in the graphs' static buffer
+                size, arrays, flat = self.graphs.prepare(seqs)
+            else:
+                arrays = build_step_arrays(seqs, num_new, self.pool.block_size)
+                flat = to_device(arrays.pack(), self.model.device)
+                step = device_step(arrays, flat)
+                attention = self.attention_class(self.pool, step.batch)
+        with record_function("forward"):
+            if replay:
+                hidden = self.graphs.replay(size, len(seqs))  # row i holds seqs[i]'s one token
+            else:
+                hidden = self.forward(step.input_ids, step.positions, attention)
+            # Logits only for the rows that predict a token (the lm_head is the largest matmul).
+            everyone = replay and len(arrays.samplers) == len(seqs)
+            logits = self.model.lm_head(hidden if everyone else hidden[arrays.unpack(flat)["sample_rows"]])
+            prompt_logits = {}
+            for i, seq in enumerate(seqs):
+                if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                    start, end = arrays.query_start[i], arrays.query_start[i + 1]
+                    prompt_logits[i] = self.model.lm_head(hidden[start:end])
+        return arrays.samplers, logits, prompt_logits

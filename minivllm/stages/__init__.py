@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from minivllm.stages import chunked_prefill, continuous, kv_cache, naive, paged, ragged_batch, static_batch, triton
+from minivllm.stages import (chunked_prefill, continuous, cuda_graphs, kv_cache, naive, paged, ragged_batch,
+                             static_batch, triton)
 
 Generate = Callable[..., list[list[int]]]
 
@@ -18,4 +19,5 @@ STAGES: dict[str, Generate] = {
     "paged": paged.generate,
     "continuous": continuous.generate,
     "triton": triton.generate,
+    "cuda_graphs": cuda_graphs.generate,
 }

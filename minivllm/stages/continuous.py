@@ -24,7 +24,8 @@ def generate(
 ) -> list[list[int]]:
     """Greedy continuations through the engine. engine_options go to LLM (block_size,
     num_kv_blocks, max_num_batched_tokens, max_num_seqs, ...); attention picks "torch" or
-    "triton" paged attention."""
+    "triton" paged attention. Chapter 9's CUDA graphs and fused ops and chapter 11's prefix
+    caching stay off unless asked for: this stage is chapters 7 and 8's engine on every device."""
     lengths = prepare(model, prompts, max_new_tokens)
     todo = [i for i, n in enumerate(lengths) if n > 0]  # a request for 0 tokens needs no engine
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -32,6 +33,11 @@ def generate(
         return outputs
     # Like chapter 6's stage, size the pool to hold the whole workload unless told otherwise:
     # the engine's default budget (256 MiB on CPU) would be zero-filled on every call.
+    # The longest request bounds the context: a CUDA graph (chapter 9) sizes attention for it.
+    engine_options.setdefault("max_model_len", max(2, max(len(prompts[i]) + lengths[i] for i in todo)))
+    engine_options.setdefault("cuda_graphs", False)
+    engine_options.setdefault("fused_ops", False)
+    engine_options.setdefault("enable_prefix_caching", False)
     block_size = engine_options.setdefault("block_size", 16)
     engine_options.setdefault("num_kv_blocks", sum(-(-(len(prompts[i]) + lengths[i]) // block_size) for i in todo))
     llm = LLM(model, attention=attention, **engine_options)

@@ -1,0 +1,164 @@
+"""Decode steps replayed from CUDA graphs (chapter 9).
+
+Why. A decode step of Qwen3-0.6B is about 1,300 small kernels. Launching one costs the host
+several microseconds (Python, PyTorch's dispatcher, the driver), more than many of these
+kernels take to run, so the GPU spends most of the step waiting for the next launch. A CUDA
+graph records every launch of one forward pass once; `replay()` then submits all of them with
+one call, and the GPU runs them back to back.
+
+The price: a graph replays exactly what it recorded, the same kernels on the same shapes at
+the same memory addresses. So:
+1. Inputs live in fixed buffers. Each step copies its inputs into `static` before replaying,
+   and the captured forward reads them there.
+2. Shapes are fixed. One graph per *batch-size bucket* (1, 2, 4, 8, 16, 32, 48, ...): a step of
+   37 sequences replays the 48-row graph, with 11 padding rows whose results are dropped.
+   Padding rows read and write a spare KV block that no request owns.
+3. Whatever the host sizes, it sizes for the worst case: attention's `max_context_len` is the
+   longest context the engine allows (max_model_len) and the block tables are that wide.
+4. Nothing inside may ask the GPU a question (no `.item()`, no shape read off a tensor).
+
+Only decode-like steps (one new token per sequence) are captured: they are almost every step
+of serving, and the only ones whose shape is just "how many sequences". Prefill and mixed
+steps have any number of tokens; they run eagerly, as in chapter 7.
+
+On a CPU there are no CUDA graphs: `EagerGraph` stands in for one, with the same buckets,
+static buffers and padding, but its replay simply calls the forward again. Tests use it to
+prove that bucketing and padding leave transformers' tokens exactly as they were.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as Seq
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from minivllm.attention.paged import KVPool
+from minivllm.engine.prepare import StepArrays, build_step_arrays, device_step, to_device
+from minivllm.engine.sequence import Sequence
+
+Forward = Callable[[], torch.Tensor]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes to capture: 1, 2, 4, 8, then every multiple of 16 up to max_num_seqs
+    (and max_num_seqs itself). Padding a step to the next size wastes at most 15 rows, and the
+    number of graphs (each holding its own memory) grows only linearly."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+def bucket_for(num_seqs: int, sizes: Seq[int]) -> int:
+    """The smallest captured batch size that holds num_seqs sequences.
+
+    sizes: the captured batch sizes, ascending. Returns an element of sizes that is >= num_seqs
+    (the padding rows, size - num_seqs, are the waste). Raises ValueError if num_seqs < 1 or no
+    size is large enough (such a step must run eagerly instead)."""
+    # BEGIN SOLUTION
+    if num_seqs < 1:
+        raise ValueError(f"a step needs at least one sequence, got {num_seqs}")
+    for size in sizes:
+        if size >= num_seqs:
+            return size
+    raise ValueError(f"no captured batch size holds {num_seqs} sequences (largest: {sizes[-1] if sizes else None})")
+    # END SOLUTION
+
+
+class EagerGraph:
+    """A stand-in for a CUDA graph where there is none (the CPU): `replay()` runs the forward
+    again, eagerly, on whatever the static buffers hold. `output` is its latest result."""
+
+    def __init__(self, forward: Forward, memory_pool: Any = None):
+        self.forward = forward
+        self.output = forward()
+
+    def replay(self) -> None:
+        self.output = self.forward()
+
+
+class CudaGraph:
+    """One forward pass captured as a CUDA graph. `output` is the tensor the captured forward
+    wrote; every `replay()` rewrites it in place from the static inputs."""
+
+    def __init__(self, forward: Forward, memory_pool: Any = None):
+        # Warm up outside the graph first, on a side stream as PyTorch requires: Triton compiles
+        # its kernels on their first call and lazy attributes (RoPE's frequencies on the GPU)
+        # are set up; neither may happen during capture.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        # Graphs share one memory pool: they never run at the same time, so the largest one's
+        # activations can be reused by all the others.
+        with torch.cuda.graph(self.graph, pool=memory_pool):
+            self.output = forward()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class GraphRunner:
+    """Runs decode steps by replaying the graph of their batch-size bucket.
+
+    forward(input_ids, positions, attention) -> hidden [T, hidden] is the model's forward (plain
+    or fused); the pool's last block is the spare that padding rows use."""
+
+    def __init__(
+        self, forward: Callable[..., torch.Tensor], pool: KVPool, attention_class: type, max_num_seqs: int,
+        max_model_len: int, graph_class: type = CudaGraph,
+    ):
+        self.pool, self.block_size = pool, pool.block_size
+        self.pad_block = pool.num_blocks - 1
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.width = -(-max_model_len // self.block_size)  # block-table width of the longest context
+        self.max_context_len = self.width * self.block_size
+        device = pool.k.device
+        largest = build_step_arrays([], [], self.block_size, self.sizes[-1], self.width, self.pad_block)
+        # Room for the largest step's fields, plus its sampling rows (one per sequence at most).
+        self.static = torch.zeros(len(largest.pack()) + self.sizes[-1], dtype=torch.int64, device=device)
+        memory_pool = torch.cuda.graph_pool_handle() if graph_class is CudaGraph else None
+        self.graphs: dict[int, Any] = {}
+        with Progress(transient=True) as progress:
+            task = progress.add_task(f"capturing {len(self.sizes)} decode graphs", total=len(self.sizes))
+            for size in reversed(self.sizes):  # largest first: the others fit in its memory
+                self.graphs[size] = self._capture(size, forward, attention_class, graph_class, memory_pool)
+                progress.advance(task)
+
+    def _capture(self, size: int, forward: Callable[..., torch.Tensor], attention_class: type, graph_class: type,
+                 memory_pool: Any) -> Any:
+        """Fill the static buffer with `size` padding rows, bind the forward to its views, capture."""
+        arrays = build_step_arrays([], [], self.block_size, size, self.width, self.pad_block)
+        to_device(arrays.pack(), self.static.device, out=self.static[:len(arrays.pack())])
+        step = device_step(arrays, self.static, self.max_context_len)
+        attention = attention_class(self.pool, step.batch)
+        return graph_class(lambda: forward(step.input_ids, step.positions, attention), memory_pool)
+
+    def can_run(self, num_new_tokens: Seq[int]) -> bool:
+        """Whether a step fits a captured graph: one token per sequence, not too many sequences."""
+        return len(num_new_tokens) <= self.sizes[-1] and all(n == 1 for n in num_new_tokens)
+
+    def prepare(self, seqs: Seq[Sequence]) -> tuple[int, StepArrays, torch.Tensor]:
+        """Put a decode step of `seqs` (one new token each) into the static buffer, padded to
+        its batch-size bucket, ready for that bucket's graph to replay.
+
+        Returns (the bucket's batch size, the step's host arrays, the part of self.static that
+        now holds them). Row i of the padded step is seqs[i]'s token; rows len(seqs).. are
+        padding that only touches self.pad_block. Everything a captured graph reads must be
+        rewritten in place: the graph knows the buffer's address, not its contents."""
+        # BEGIN SOLUTION
+        size = bucket_for(len(seqs), self.sizes)
+        arrays = build_step_arrays(seqs, [1] * len(seqs), self.block_size, size, self.width, self.pad_block)
+        packed = arrays.pack()
+        flat = to_device(packed, self.static.device, out=self.static[:len(packed)])
+        return size, arrays, flat
+        # END SOLUTION
+
+    def replay(self, size: int, num_seqs: int) -> torch.Tensor:
+        """Replay the graph of batch size `size` on what prepare() put in the static buffer;
+        the hidden states of the first num_seqs rows (the real ones) [num_seqs, hidden]."""
+        graph = self.graphs[size]
+        graph.replay()
+        return graph.output[:num_seqs]

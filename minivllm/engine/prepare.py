@@ -1,0 +1,154 @@
+"""A step's inputs without per-token Python, in one copy to the device (chapter 9).
+
+Chapter 7's runner built each input as a Python list, token by token: the ids, the positions,
+and a slot for every token through `slot_mapping`; then `torch.tensor(list, device=cuda)` for
+each of them. On a GPU that costs twice. The Python loops grow with the tokens of the step,
+and every `torch.tensor(..., device="cuda")` from ordinary host memory is a synchronous copy:
+the host waits until the GPU has finished everything queued before it, so the host can never
+run ahead and prepare the next step while the GPU computes this one.
+
+Here every field is one vectorised NumPy expression over the whole step (Python loops only
+over *sequences*, to read their token lists and block tables), all fields are packed into one
+int64 buffer, and that buffer reaches the device in one copy from pinned (page-locked) memory
+with `non_blocking=True`, which the GPU's copy engine performs without stopping the host.
+
+The packed layout, for T tokens from S sequences and block tables W wide:
+
+    [ input_ids T | positions T | slot_mapping T | query_start S+1 | context_lens S | block_tables S*W | sample_rows R ]
+
+`StepArrays.unpack` cuts a device tensor in that layout into the same fields. The CUDA-graph
+runner (cuda_graphs.py) copies the packed buffer of a decode step into a fixed device buffer
+whose slices its captured graphs read.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minivllm.attention.paged import PagedBatch
+from minivllm.engine.sequence import Sequence
+
+
+@dataclass
+class StepArrays:
+    """One step's inputs on the host (int64 NumPy arrays), as PagedBatch and the model read them."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T] flat pool slot where each token's K and V go
+    query_start: np.ndarray  # [S + 1] cumulative tokens per sequence (cu_seqlens)
+    context_lens: np.ndarray  # [S] cached tokens after this step
+    block_tables: np.ndarray  # [S, W] physical blocks, -1 past each table's end
+    sample_rows: np.ndarray  # [R] row of the last token of each sequence that predicts a token
+    samplers: list[int]  # [R] which sequences those are (indices into the step's list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def pack(self) -> np.ndarray:
+        """Every field end to end in one int64 buffer (see the module doc)."""
+        return np.concatenate([self.input_ids, self.positions, self.slot_mapping, self.query_start,
+                               self.context_lens, self.block_tables.ravel(), self.sample_rows])
+
+    def unpack(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of a buffer in this step's packed layout (on any device), field by field."""
+        return unpack(flat, self.num_tokens, *self.block_tables.shape, len(self.sample_rows))
+
+
+def unpack(flat: torch.Tensor, num_tokens: int, num_seqs: int, width: int, num_samples: int) -> dict[str, torch.Tensor]:
+    """Views of a packed buffer of T tokens, S sequences, tables W wide and R sampling rows."""
+    T, S = num_tokens, num_seqs
+    sizes = dict(input_ids=T, positions=T, slot_mapping=T, query_start=S + 1, context_lens=S, block_tables=S * width,
+                 sample_rows=num_samples)
+    used = sum(sizes.values())
+    views = dict(zip(sizes, flat[:used].split(list(sizes.values()))))
+    views["block_tables"] = views["block_tables"].view(S, width)
+    return views
+
+
+def build_step_arrays(
+    seqs: Seq[Sequence], num_new_tokens: Seq[int], block_size: int, num_rows: int | None = None,
+    width: int | None = None, pad_block: int | None = None,
+) -> StepArrays:
+    """The inputs of a step where seqs[i] computes its next num_new_tokens[i] tokens.
+
+    For a CUDA graph, `num_rows` pads the step with dummy one-token sequences up to a captured
+    batch size, and `width` widens the block tables to the captured width. A padding row reads
+    and writes only block `pad_block`, a block no request ever owns, so it disturbs nothing.
+    """
+    S = len(seqs)
+    query_lens = np.fromiter(num_new_tokens, dtype=np.int64, count=S)
+    past_lens = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=S)
+    tables = [s.block_table for s in seqs]
+    longest = max(map(len, tables), default=0)
+    rows = S if num_rows is None else num_rows
+    W = longest if width is None else width
+    if rows < S or W < longest:
+        raise ValueError(f"a step of {S} sequences with tables of {longest} blocks does not fit {rows} rows x {W} blocks")
+    if rows > S:
+        if pad_block is None:
+            raise ValueError("padding rows need a pad_block to read and write")
+        query_lens = np.concatenate([query_lens, np.ones(rows - S, np.int64)])
+        past_lens = np.concatenate([past_lens, np.zeros(rows - S, np.int64)])
+        tables = tables + [[pad_block]] * (rows - S)
+
+    query_start = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    T = int(query_start[-1])
+    # Token t belongs to sequence seq_of[t] and sits at position past + (t - its first row).
+    seq_of = np.repeat(np.arange(rows), query_lens)
+    positions = np.arange(T, dtype=np.int64) - np.repeat(query_start[:-1] - past_lens, query_lens)
+    ids = itertools.chain.from_iterable(s.token_ids[p:p + n] for s, p, n in zip(seqs, past_lens.tolist(), num_new_tokens))
+    input_ids = np.zeros(T, dtype=np.int64)  # padding rows feed token 0
+    input_ids[:int(query_start[S])] = np.fromiter(ids, dtype=np.int64, count=int(query_start[S]))
+
+    block_tables = np.full((rows, W), -1, dtype=np.int64)
+    for i, table in enumerate(tables):
+        block_tables[i, :len(table)] = table
+    # Token at position p lives in block table[p // block_size], at offset p % block_size.
+    slot_mapping = block_tables[seq_of, positions // block_size] * block_size + positions % block_size
+
+    context_lens = past_lens + query_lens
+    num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=S)
+    samplers = np.flatnonzero(context_lens[:S] == num_tokens)  # caught up: the last row predicts a token
+    return StepArrays(input_ids, positions, slot_mapping, query_start, context_lens, block_tables,
+                      query_start[samplers + 1] - 1, samplers.tolist())
+
+
+def to_device(array: np.ndarray, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One host->device copy of `array` (into `out`, if given) that never makes the host wait:
+    from pinned memory, non-blocking. On the CPU it is a plain copy (or no copy at all)."""
+    host = torch.from_numpy(array)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    if out is not None:
+        return out.copy_(host, non_blocking=True)
+    return host.to(device, non_blocking=True)
+
+
+@dataclass
+class DeviceStep:
+    """A step's inputs on the device: what the model and paged attention read."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    batch: PagedBatch
+    sample_rows: torch.Tensor  # [R]
+
+
+def device_step(arrays: StepArrays, flat: torch.Tensor, max_context_len: int | None = None) -> DeviceStep:
+    """The step's fields as views of `flat`, a device buffer holding arrays.pack(). The host
+    keeps the per-sequence lengths (attention sizes its work from them without asking the GPU)."""
+    views = arrays.unpack(flat)
+    batch = PagedBatch(
+        query_lens=np.diff(arrays.query_start).tolist(), query_start=arrays.query_start.tolist(),
+        context_lens=arrays.context_lens.tolist(), block_tables=views["block_tables"],
+        slot_mapping=views["slot_mapping"], query_start_tensor=views["query_start"],
+        context_lens_tensor=views["context_lens"], max_context_len=max_context_len,
+    )
+    return DeviceStep(views["input_ids"], views["positions"], batch, views["sample_rows"])

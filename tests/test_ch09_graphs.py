@@ -1,0 +1,224 @@
+"""Chapter 9: the lean step and CUDA graphs, on the CPU.
+
+There are no CUDA graphs on a CPU, so the graph runner runs with `EagerGraph`, which stands in
+for a captured graph (same static buffers, batch-size buckets and padding rows; replay just
+calls the forward again). That checks what can go wrong in the runner itself: a wrong bucket,
+padding rows that write into a request's cache, stale rows in the static buffers, a wrong row
+read back. On a GPU the same tests run with real capture (`CudaGraph`).
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from minivllm import LLM, LLMEngine, SamplingParams
+from minivllm.engine.cuda_graphs import CudaGraph, EagerGraph, bucket_for, graph_batch_sizes
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.prepare import build_step_arrays
+from minivllm.engine.sequence import Sequence
+from tiny_models import random_prompts
+
+pytestmark = pytest.mark.ch09
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+ON_GPU = torch.cuda.is_available()
+GRAPH_CLASS = CudaGraph if ON_GPU else EagerGraph
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(256)[-3:] == [224, 240, 256]
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 4, 8, 16, 32, 40], [3], [1, 7, 8, 100]])
+def test_bucket_for_is_the_smallest_size_that_fits(sizes):
+    for n in range(1, sizes[-1] + 1):
+        expected = min(s for s in sizes if s >= n)
+        assert bucket_for(n, sizes) == expected, f"bucket_for({n}, {sizes})"
+    for bad in (0, -1, sizes[-1] + 1):
+        with pytest.raises(ValueError):
+            bucket_for(bad, sizes)
+
+
+def make_seq(request_id: str, tokens: list[int], computed: int, table: list[int]) -> Sequence:
+    seq = Sequence(request_id, tokens, SamplingParams(max_tokens=4), max_model_len=1000)
+    seq.num_computed_tokens, seq.block_table = computed, table
+    return seq
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_step_arrays_against_a_token_by_token_reference(seed):
+    """build_step_arrays (vectorised) against the definitions, written token by token."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 3, 16])
+    free = list(range(200))
+    rng.shuffle(free)
+    seqs, num_new = [], []
+    for i in range(rng.randint(1, 6)):
+        total = rng.randint(1, 40)
+        computed = rng.randint(0, total - 1)
+        n = rng.randint(1, total - computed)
+        table = [free.pop() for _ in range(-(-(computed + n) // block_size))]
+        seqs.append(make_seq(str(i), [rng.randrange(97) for _ in range(total)], computed, table))
+        num_new.append(n)
+    a = build_step_arrays(seqs, num_new, block_size)
+    ids, positions, slots, samplers, rows = [], [], [], [], []
+    for i, (seq, n) in enumerate(zip(seqs, num_new)):
+        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
+        if seq.num_computed_tokens + n == seq.num_tokens:
+            samplers.append(i)
+            rows.append(len(ids) - 1)
+    assert a.input_ids.tolist() == ids and a.positions.tolist() == positions and a.slot_mapping.tolist() == slots
+    assert a.samplers == samplers and a.sample_rows.tolist() == rows
+    assert a.query_start.tolist() == [0, *np.cumsum(num_new).tolist()]
+    assert a.context_lens.tolist() == [s.num_computed_tokens + n for s, n in zip(seqs, num_new)]
+    for seq, row in zip(seqs, a.block_tables.tolist()):
+        assert row[:len(seq.block_table)] == seq.block_table and set(row[len(seq.block_table):]) <= {-1}
+
+
+def test_padding_rows_only_touch_the_spare_block():
+    seqs = [make_seq("a", [5, 6, 7], 2, [4]), make_seq("b", [1, 2], 1, [9])]
+    a = build_step_arrays(seqs, [1, 1], block_size=4, num_rows=5, width=3, pad_block=11)
+    assert a.input_ids.tolist() == [7, 2, 0, 0, 0] and a.positions.tolist() == [2, 1, 0, 0, 0]
+    assert a.slot_mapping.tolist() == [4 * 4 + 2, 9 * 4 + 1, 44, 44, 44]
+    assert a.block_tables.tolist() == [[4, -1, -1], [9, -1, -1], [11, -1, -1], [11, -1, -1], [11, -1, -1]]
+    assert a.context_lens.tolist() == [3, 2, 1, 1, 1] and a.samplers == [0, 1]
+    with pytest.raises(ValueError):
+        build_step_arrays(seqs, [1, 1], block_size=4, num_rows=1)  # fewer rows than sequences
+    with pytest.raises(ValueError):
+        build_step_arrays(seqs, [1, 1], block_size=4, num_rows=3)  # padding without a spare block
+
+
+def with_graphs(llm: LLM, **options) -> LLM:
+    """Swap the engine's runner for one that replays decode steps from (stand-in) graphs."""
+    engine = llm.engine
+    runner = engine.runner
+    engine.runner = ModelRunner(engine.model, engine.block_manager.num_blocks, engine.block_manager.block_size,
+                                cuda_graphs=True, max_num_seqs=engine.scheduler.max_num_seqs,
+                                max_model_len=engine.max_model_len, graph_class=GRAPH_CLASS, **options)
+    assert runner.pool.k.shape == engine.runner.pool.k.shape
+    return llm
+
+
+class CountingReplays:
+    """Counts graph replays per batch size, to prove the graphs really ran."""
+
+    def __init__(self, runner: ModelRunner):
+        self.counts: dict[int, int] = {}
+        for size, graph in runner.graphs.graphs.items():
+            replay = graph.replay
+
+            def counted(size=size, replay=replay):
+                self.counts[size] = self.counts.get(size, 0) + 1
+                replay()
+
+            graph.replay = counted
+
+
+PROMPTS = random_prompts([5, 17, 9, 30, 12, 23, 3, 14, 8])
+LENGTHS = [12, 8, 15, 10, 14, 9, 20, 6, 11]
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_num_seqs=16),
+    # starvation: tiny blocks, a pool that forces preemption, a small budget, odd bucket sizes
+    dict(block_size=4, num_kv_blocks=18, max_num_batched_tokens=24, max_num_seqs=7),
+], ids=["roomy", "starved"])
+def test_graph_replay_gives_transformers_tokens(model, hf_model, reference, settings):
+    llm = with_graphs(LLM(model, **settings))
+    counter = CountingReplays(llm.engine.runner)
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in LENGTHS]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == [reference(hf_model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    assert sum(counter.counts.values()) > 0, "no decode step replayed a graph"
+    assert len(counter.counts) > 2, f"only buckets {sorted(counter.counts)} were used"
+    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
+
+
+def test_graphs_and_eager_steps_agree_on_sampled_tokens(qwen3_model):
+    """Seeded sampling reads the same logits whichever way the step ran."""
+    params = [SamplingParams(max_tokens=n, temperature=0.9, top_p=0.9, seed=i) for i, n in enumerate(LENGTHS)]
+    eager = LLM(qwen3_model, max_num_seqs=8)
+    graphs = with_graphs(LLM(qwen3_model, max_num_seqs=8))
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] for llm in (eager, graphs)]
+    assert tokens[0] == tokens[1]
+
+
+def test_engine_switches_are_validated(qwen3_model):
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(ValueError, match="cuda_graphs"):
+            LLMEngine(qwen3_model, cuda_graphs=bad)
+        with pytest.raises(ValueError, match="fused_ops"):
+            LLMEngine(qwen3_model, fused_ops=bad)
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="CUDA"):
+            LLMEngine(qwen3_model, cuda_graphs=True)
+    engine = LLMEngine(qwen3_model)  # on a CPU the defaults are chapter 7's engine: eager, plain PyTorch
+    assert engine.runner.graphs is None and engine.runner.forward is qwen3_model
+
+
+@pytest.mark.parametrize("name, value", [
+    ("block_size", 0), ("block_size", 2.0), ("block_size", True), ("block_size", "16"),
+    ("num_kv_blocks", 0), ("num_kv_blocks", 3.5), ("max_num_batched_tokens", 0), ("max_num_batched_tokens", 1.5),
+    ("max_num_seqs", 0), ("max_num_seqs", None), ("max_model_len", 0), ("max_model_len", 1), ("max_model_len", 64.0),
+])
+def test_bad_engine_settings_are_refused(qwen3_model, name, value):
+    with pytest.raises(ValueError, match=name):
+        LLMEngine(qwen3_model, **{name: value})
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device: a CPU has no host-device synchronisation to catch")
+def test_a_step_never_waits_for_the_gpu_before_sampling(hf_models):
+    """Preparing inputs and running the model (eager prefill steps and graph-replayed decode
+    steps alike) must not synchronise with the GPU; only reading the sampled tokens may."""
+    from minivllm import load_model
+
+    model = load_model(hf_models["qwen3"], device="cuda")
+    engine = LLMEngine(model, max_num_seqs=8, max_model_len=128)
+    assert engine.runner.graphs is not None
+    run = engine.runner.run
+
+    def strict_run(schedule):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(schedule)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine.runner.run = strict_run
+    for i, prompt in enumerate(PROMPTS[:5]):
+        engine.add_request(prompt, SamplingParams(max_tokens=6, **GREEDY), request_id=str(i))
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+
+
+def test_chapter_script_runs_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path, monkeypatch):
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "chapters" / "09_cuda_graphs.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", str(tiny_checkpoint), "--device", "cpu",
+                                      "--batch-size", "4", "--context", "40", "--steps", "2"])
+    runpy.run_path(str(script), run_name="__main__")
+    payload = json.loads((tmp_path / "benchmarks/results/09_cuda_graphs_cpu.json").read_text())
+    assert payload["same_tokens"] == {"eager": True}
+    assert [p["variant"] for p in payload["profiles"]] == ["eager"]
+    assert [r["batch_size"] for r in payload["lean_step"]["prepare"]] == [1, 4, 16, 64, 256]
+    padding = payload["lean_step"]["padding_rows"]
+    assert len(padding) == 256 and min(padding) == 0 and max(padding) == 15
+    for name in ("09_step_timeline", "09_step_breakdown", "09_lean_step"):
+        assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 10_000

@@ -1,0 +1,99 @@
+"""Chapter 9's roofline: the floor's arithmetic against hand-computed cases and the shared notes'
+nano numbers, a measured bandwidth, and the benchmark script end to end on a tiny checkpoint."""
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minivllm import ModelConfig
+from minivllm.bench import make_workload
+from minivllm.loader import CONFIGS, read_config
+from minivllm.model import Decoder
+from minivllm.roofline import copy_bandwidth, decode_floor
+
+pytestmark = pytest.mark.ch09
+
+BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "roofline.py"
+
+
+def toy_config(tied: bool) -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=2, max_position_embeddings=64, tie_word_embeddings=tied)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_floor_of_two_requests_by_hand(tied):
+    config = toy_config(tied)
+    # Weights read per step: every parameter the model really has (a tied matrix is one
+    # parameter), less the embedding table when the LM head has its own matrix.
+    params = sum(p.numel() for p in Decoder(config).parameters())  # parameters() yields a tied matrix once
+    per_step = (params - (0 if tied else 10 * 4)) * 2
+    # Prompts of 3 and 5 tokens, outputs of 2 and 4: the steps making tokens 1, 2 of the first
+    # read 3, 4 cached tokens; those making tokens 1..4 of the second read 5, 6, 7, 8.
+    kv_tokens = (3 + 4) + (5 + 6 + 7 + 8)
+    kv_per_token = 2 * 1 * 1 * 2 * 2  # K and V, 1 layer, 1 KV head, head_dim 2, bf16
+    floor = decode_floor(config, torch.bfloat16, [3, 5], [2, 4], bandwidth=1000.0)
+    assert floor.weight_bytes == per_step
+    assert floor.weight_reads == 4  # the longest output
+    assert floor.kv_bytes == kv_tokens * kv_per_token
+    assert floor.seconds == pytest.approx((4 * per_step + kv_tokens * kv_per_token) / 1000)
+    assert floor.tokens_per_second == pytest.approx(6 / floor.seconds)
+
+
+def test_the_nano_workload_matches_the_shared_notes():
+    """Qwen3-0.6B in bf16 at 3.0 TB/s: weights of 1.19 GB, and for the nano workload's lengths
+    (uniform on 100-1024, independent: here a 16 x 16 grid of them) about 15 TB of KV reads
+    plus 1.2 TB of weight reads, roughly 26k output tok/s (shared notes, section 3)."""
+    config = read_config(CONFIGS / "qwen3-0.6b.json")
+    grid = [round(100 + 924 * (i + 0.5) / 16) for i in range(16)]
+    prompts, outputs = [p for p in grid for _ in grid], [n for _ in grid for n in grid]
+    floor = decode_floor(config, torch.bfloat16, prompts, outputs, bandwidth=3.0e12)
+    assert floor.weight_bytes == pytest.approx(1.19e9, rel=0.01)
+    assert floor.weight_bytes * floor.weight_reads == pytest.approx(1.2e12, rel=0.03)
+    assert floor.kv_bytes == pytest.approx(15e12, rel=0.03)
+    assert floor.tokens_per_second == pytest.approx(26_000, rel=0.04)
+    # The seeded nano workload itself: its longest output is 1,024, so 1,024 weight reads (the issue's count).
+    work = make_workload("nano", config.vocab_size, seed=0)
+    seeded = decode_floor(config, torch.bfloat16, [len(p) for p in work.prompts], work.output_lens, 3.0e12)
+    assert seeded.weight_reads == 1024
+    assert seeded.tokens_per_second == pytest.approx(25_600, rel=0.08)
+
+
+def test_bad_arguments_are_refused():
+    config = toy_config(tied=True)
+    for prompts, outputs, bandwidth in (([3], [2, 4], 1.0), ([], [], 1.0), ([3], [0], 1.0), ([3], [2.0], 1.0),
+                                        ([3], [2], 0.0), ([3], [2], True)):
+        with pytest.raises(ValueError):
+            decode_floor(config, torch.float32, prompts, outputs, bandwidth)
+    with pytest.raises(ValueError):
+        decode_floor(config, "bfloat16", [3], [2], 1.0)
+    with pytest.raises(ValueError):
+        copy_bandwidth("cpu", nbytes=0)
+    with pytest.raises(ValueError):
+        copy_bandwidth("meta")
+
+
+def test_copy_bandwidth_is_positive():
+    assert copy_bandwidth("cpu", nbytes=2**22, repeats=3) > 0
+
+
+def test_the_benchmark_runs_end_to_end(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARK), "--model", str(tiny_checkpoint), "--workload", "tiny",
+                                      "--requests", "4", "--device", "cpu"])
+    runpy.run_path(str(BENCHMARK), run_name="__main__")
+    payload = json.loads((tmp_path / "benchmarks/results/09_roofline_cpu.json").read_text())
+    assert (tmp_path / "figures/09_roofline.png").stat().st_size > 10_000
+    assert [row["name"] for row in payload["rows"]] == ["minivllm (eager)", "transformers generate_batch"]
+    output_lens = payload["workload"]["output_lens"]
+    floor = payload["floor"]
+    assert floor["weight_reads"] == max(output_lens) and floor["output_tokens"] == sum(output_lens)
+    for row in payload["rows"]:
+        assert row["same_tokens_as_engine"] == "4/4", row["name"]
+        assert row["useful_tokens"] == sum(output_lens)
+        assert row["share_of_roofline"] == pytest.approx(floor["seconds"] / row["median_seconds"])
