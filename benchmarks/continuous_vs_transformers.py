@@ -142,7 +142,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = load_for_chapter(args)
     hf_model = to_transformers(model)
-    llm = LLM(model)
+    # Every repeat runs the same prompts: a prefix cache would answer the repeats from the first
+    # run's blocks, which transformers cannot do. Chapter 11 measures caching on its own.
+    llm = LLM(model, enable_prefix_caching=False)
 
     def minivllm_generate(prompts: list[list[int]], lens: list[int]) -> list[list[int]]:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -19,13 +21,105 @@ def _tour(args: argparse.Namespace) -> None:
         print(markdown_table(payload))
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from minivllm.bench import device_name
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.serving.app import build_app
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # the CPU threads of the model's operations
+    engine = LLMEngine(args.model, device=args.device, dtype=dtype_argument(args), block_size=args.block_size,
+                       num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention)
+    if args.chat_template:
+        if engine.tokenizer is None:
+            raise SystemExit("--chat-template: this model has no tokenizer")
+        path = Path(args.chat_template)
+        engine.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
+    name = args.served_model_name or args.model or "minivllm-default"
+    static = args.static_batch_size if args.scheduler == "static" else None
+    app = build_app(engine, name, max_waiting=args.max_waiting, static_batch_size=static)
+    cfg, model = engine.model.config, engine.model
+    print(f"serving {name!r}: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, on "
+          f"{device_name(model.device)}, {str(model.dtype).removeprefix('torch.')}; {args.scheduler} scheduler"
+          + (f" (batches of {static})" if static else "") + f"; http://{args.host}:{args.port}/v1")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from minivllm.serving.bench import SLO, bench_serve
+
+    bench_serve(args.url.split(","), concurrency=args.concurrency, rates=args.rate, workload=args.workload,
+                requests=args.requests, seed=args.seed, slo=SLO(args.slo_ttft_ms / 1e3, args.slo_tokens_per_second),
+                labels=args.label.split(",") if args.label else None,
+                results=args.results, figure=args.figure, timeout=args.timeout, deadline=args.deadline)
+
+
+def _numbers(kind: type) -> Callable[[str], list]:
+    """An argparse type for comma-separated numbers, e.g. 1,8,32,128."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(part) for part in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}")
+    return parse
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chapter 10)")
+    serve.add_argument("--model", default=None, help="checkpoint folder, hub id or config.json (default: the embedded model)")
+    serve.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU, bf16 on CUDA")
+    serve.add_argument("--served-model-name", default=None, help="the name requests use (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default) serves this machine only")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--num-kv-blocks", type=int, default=None, help="default: what the memory budget holds")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    serve.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    serve.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    serve.add_argument("--attention", default="torch", help="torch or triton")
+    serve.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
+    serve.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
+                       help="static: batches of --static-batch-size that run until their longest request is done")
+    serve.add_argument("--static-batch-size", type=int, default=16)
+    serve.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) for models without one")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for the model (default: torch's); leave a core to the event loop and clients")
+    serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(run=_serve)
+
+    bench = commands.add_parser("bench-serve", help="load-test a running server: TTFT, TPOT, ITL, goodput")
+    bench.add_argument("--url", default="http://127.0.0.1:8000",
+                       help="a server, or several separated by commas: each level then runs on each in turn")
+    levels = bench.add_mutually_exclusive_group(required=True)
+    levels.add_argument("--concurrency", type=_numbers(int), help="users in a closed loop, e.g. 1,8,32,128")
+    levels.add_argument("--rate", type=_numbers(float), help="Poisson request rates (requests/s), e.g. 1,4,16")
+    bench.add_argument("--workload", default="classroom", choices=list(WORKLOADS))
+    bench.add_argument("--requests", type=int, default=None,
+                       help="requests per level (default: max(32, 4 x concurrency) or max(32, 16 x rate))")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    bench.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    bench.add_argument("--slo-tokens-per-second", type=float, default=50.0, help="per user")
+    bench.add_argument("--label", default=None,
+                       help="each server's name in the results, comma-separated (default: its scheduler)")
+    bench.add_argument("--results", default=None, help="benchmarks/results/NAME.json (default: 10_serving_cpu or _gpu)")
+    bench.add_argument("--figure", default=None, help="figures/NAME.png (default: 10_latency_vs_concurrency or _rate)")
+    bench.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    bench.add_argument("--deadline", type=float, default=900.0, help="seconds one level may take")
+    bench.set_defaults(run=_bench_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description="A vLLM-style inference engine, one idea per chapter.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     tour = commands.add_parser("tour", help="every stage on one workload: table, JSON and figures/ladder.png")
     add_model_arguments(tour)
-    tour.add_argument("--workload", default="classroom", choices=list(WORKLOADS))
+    tour.add_argument("--workload", default=None, choices=list(WORKLOADS),
+                      help="default: classroom on a CPU, ladder_gpu on a GPU (with the Qwen3-0.6B shape)")
     tour.add_argument("--stages", default=None, help="comma-separated subset of the stages (default: all)")
     tour.add_argument("--requests", type=int, default=None, help="override the workload's number of requests")
     tour.add_argument("--check", type=int, default=4, help="requests compared with transformers' greedy tokens")
@@ -33,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     tour.add_argument("--markdown", action="store_true", help="also print the table as Markdown (for the README)")
     tour.add_argument("--figure", default=None, help="figure name under figures/ (default: ladder or ladder_cuda)")
     tour.set_defaults(run=_tour)
+
+    add_serve_parser(commands)  # `minivllm serve`, `minivllm bench-serve`
 
     from minivllm.exercises import add_subparser as add_exercises
 

@@ -1,22 +1,26 @@
-"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`.
+"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`,
+`LLM.chat(messages)` and `LLM.get_tokenizer()`.
 
 Under the hood it is the online engine in a loop: queue every prompt, step until nothing is
 left, return the finished outputs in the order the prompts came in.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine, Prompt
 from minivllm.engine.outputs import RequestOutput
-from minivllm.engine.sampler import SamplingParams
+from minivllm.engine.sampler import RequestOutputKind, SamplingParams
 from minivllm.engine.trace import Trace
 
-Prompt = str | list[int]
+Conversation = Sequence[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]
 
 
 class LLM:
@@ -26,10 +30,13 @@ class LLM:
     def __init__(
         self, model: Any = None, device: str | None = None, dtype: torch.dtype | None = None, block_size: int = 16,
         num_kv_blocks: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-        max_model_len: int | None = None, attention: str = "torch", tokenizer: Any = None,
+        max_model_len: int | None = None, attention: str | None = None, tokenizer: Any = None,
+        cuda_graphs: bool | None = None, fused_ops: bool | None = None, enable_prefix_caching: bool | None = None,
     ):
         self.engine = LLMEngine(model, device, dtype, block_size, num_kv_blocks, max_num_batched_tokens,
-                                max_num_seqs, max_model_len, attention, tokenizer)
+                                max_num_seqs, max_model_len, attention, tokenizer, cuda_graphs, fused_ops,
+                                enable_prefix_caching)
+        self._request_ids = itertools.count()  # LLM names its requests "0", "1", ... (as vLLM's does), in order
 
     @property
     def trace(self) -> Trace | None:
@@ -39,16 +46,25 @@ class LLM:
     def trace(self, trace: Trace | None) -> None:
         self.engine.trace = trace
 
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (None when the checkpoint has none)."""
+        return self.engine.get_tokenizer()
+
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete every prompt (strings or token-id lists); one SamplingParams for all, or one
-        per prompt. Returns one finished RequestOutput per prompt, in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
+        """Complete every prompt: a string, a list of token ids, or vLLM's {"prompt": text} or
+        {"prompt_token_ids": ids}; one prompt or a list of them. sampling_params: one for all,
+        or one per prompt. Returns one finished RequestOutput per prompt, in input order."""
+        prompts = [prompts] if is_single_prompt(prompts) else prompts
+        if not isinstance(prompts, list | tuple):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, list | tuple):
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
         ids = self._add_all(prompts, sampling_params)
@@ -63,15 +79,66 @@ class LLM:
                         progress.advance(task)
         return [finished[i] for i in ids]
 
+    def chat(
+        self, messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+        chat_template: str | None = None, add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer a conversation ([{"role": "user", "content": "..."}, ...]) or a list of them,
+        through the tokenizer's chat template (or `chat_template`, a Jinja template). Each
+        RequestOutput's prompt is the rendered conversation."""
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: pass chat_template=... or use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, list | tuple):
+            raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, "
+                             f"got {type(messages).__name__}")
+        for c, conversation in enumerate(conversations):
+            check_conversation(c, conversation)
+        texts = [tokenizer.apply_chat_template(list(conversation), chat_template=chat_template, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
+                 for conversation in conversations]
+        # The rendered text already holds the template's special tokens: add none when encoding.
+        prompts = [{"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)} for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
+
     def _add_all(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[str]:
         """Queue every prompt, or none: if one is refused, the ones already queued are taken
-        back before the error goes up, so the engine is left as it was."""
+        back before the error goes up, so the engine is left as it was. LLM only wants each
+        request's final output, so its requests are FINAL_ONLY: the engine builds no output for
+        them while they run."""
         ids: list[str] = []
+        final: dict[int, SamplingParams] = {}  # one FINAL_ONLY copy per distinct params object
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"expected SamplingParams, got {type(p).__name__}")
+                if id(p) not in final:
+                    final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                request_id = next(i for i in map(str, self._request_ids) if i not in self.engine.requests)
+                ids.append(self.engine.add_request(prompt, final[id(p)], request_id=request_id))
         except ValueError as err:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
+            self.engine.abort_request(ids)
             raise ValueError(f"prompt {len(ids)}: {err}") from err
         return ids
+
+
+def is_single_prompt(prompts: Any) -> bool:
+    """A string, a dict, or a list of token ids (rather than a list of prompts)."""
+    if isinstance(prompts, str | dict):
+        return True
+    return isinstance(prompts, list | tuple) and bool(prompts) and isinstance(prompts[0], numbers.Integral)
+
+
+def check_conversation(c: int, conversation: Any) -> None:
+    """A conversation is a non-empty list of {"role": str, "content": str} dicts."""
+    if not isinstance(conversation, list | tuple) or not conversation:
+        raise ValueError(f"conversation {c}: expected a non-empty list of messages, got {conversation!r}")
+    for m, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise ValueError(f"conversation {c}, message {m}: expected {{'role': str, 'content': str}}, got {message!r}")

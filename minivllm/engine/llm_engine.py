@@ -1,32 +1,51 @@
 """The online engine: add requests at any time, run one step at a time, stream what each
 step produced, abort what is no longer wanted (chapter 7).
 
-Each step is: scheduler.schedule() -> model_runner.run() -> sampler.sample() -> append the
-new tokens, retire the finished requests. `LLM` (llm.py) is a loop around this for offline
-batches; a server would call `step()` in its own loop and add requests as they arrive.
+Each step is: scheduler.schedule() -> model_runner.run() -> sampler() -> append the new
+tokens (and, for requests that need text now, detokenize and look for stop strings), retire
+the finished requests. `LLM` (llm.py) is a loop around this for offline batches; a server
+would call `step()` in its own loop and add requests as they arrive.
+
+A request for n completions (chapter 10) is a SequenceGroup of n sequences that the scheduler
+runs independently; the engine answers with one RequestOutput holding all n.
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import numbers
 import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from rich.console import Console
+from torch.profiler import record_function
 
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.detokenizer import StopChecker
 from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from minivllm.engine.sampler import SamplingParams, sample
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from minivllm.engine.prefix_cache import PrefixCachingBlockManager
+from minivllm.engine.sampler import (RequestOutputKind, Sampler, SamplingParams, TopLogprobs, top_logprobs,
+                                     unpack_logprobs)
+from minivllm.engine.scheduler import Scheduler, SchedulerOutput
+from minivllm.engine.sequence import Sequence, SequenceGroup
 from minivllm.engine.trace import Trace
 from minivllm.loader import load_model, load_tokenizer
 from minivllm.model import Decoder
 
+# The parts of a step, as named ranges in a torch.profiler trace (see minivllm/profiling.py):
+# planning, turning the plan into tensors, the model, choosing tokens, bookkeeping.
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "finish")
+# Chapter 11's prefix caching is on unless asked otherwise, as in vLLM. (The checks of chapters
+# 7-10 turn this default off, so that they test the engine as those chapters built it.)
+PREFIX_CACHING_DEFAULT = True
 GPU_KV_FRACTION = 0.8  # of the GPU memory still free once the model is loaded
 CPU_KV_BYTES = 256 * 2**20  # a fixed KV budget on CPU, where "free memory" means little
+AUTO_ID_PREFIX = "auto-"  # request ids the engine chooses; callers may not use it
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
 console = Console()
 
 
@@ -43,14 +62,52 @@ def kv_blocks_for_memory(model: Decoder, block_size: int, max_num_seqs: int, max
     return max(1, min(budget // bytes_per_block, useful))
 
 
+def check_setting(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    """Engine settings are validated as strictly as requests: an int (not a bool, not a float
+    that happens to be whole) of at least `minimum`, or None where that means "choose for me"."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        allowed = f"an integer >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def default_attention(device: torch.device) -> str:
+    """Chapter 8's Triton kernels on a GPU when Triton is installed; chapter 6's PyTorch otherwise."""
+    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+
+
 class LLMEngine:
     def __init__(
         self, model: Any = None, device: str | None = None, dtype: torch.dtype | None = None, block_size: int = 16,
         num_kv_blocks: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-        max_model_len: int | None = None, attention: str = "torch", tokenizer: Any = None,
+        max_model_len: int | None = None, attention: str | None = None, tokenizer: Any = None,
+        cuda_graphs: bool | None = None, fused_ops: bool | None = None, enable_prefix_caching: bool | None = None,
     ):
         """model: a minivllm Decoder, or any source load_model accepts (device and dtype are
-        used only when loading). The tokenizer comes with the checkpoint when there is one."""
+        used only when loading). The tokenizer comes with the checkpoint when there is one.
+
+        Chapter 9's switches (None: on for a CUDA device, off on a CPU): attention "triton" or
+        "torch"; cuda_graphs replays decode steps from CUDA graphs (CUDA only; by default only
+        with Triton attention, whose decode reads the cache in place: chapter 6's PyTorch
+        decode would gather max_model_len tokens per sequence inside a graph); fused_ops runs
+        RMSNorm + residual, RoPE and SiLU·mul as fused Triton kernels. Chapter 11's
+        enable_prefix_caching (None: PREFIX_CACHING_DEFAULT, on as in vLLM) lets requests share
+        the KV blocks of a common prefix; off, the block manager is chapter 6's."""
+        for name, value, minimum, allow_none in (
+            ("block_size", block_size, 1, False), ("num_kv_blocks", num_kv_blocks, 1, True),
+            ("max_num_batched_tokens", max_num_batched_tokens, 1, False), ("max_num_seqs", max_num_seqs, 1, False),
+            ("max_model_len", max_model_len, 2, True),
+        ):
+            check_setting(name, value, minimum, allow_none)
+        for name, value in (("cuda_graphs", cuda_graphs), ("fused_ops", fused_ops)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None (automatic), got {value!r}")
+        if enable_prefix_caching is None:
+            enable_prefix_caching = PREFIX_CACHING_DEFAULT
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True, False or None (the default), "
+                             f"got {enable_prefix_caching!r}")
         if isinstance(model, Decoder):
             self.model = model
         else:
@@ -62,55 +119,99 @@ class LLMEngine:
         if not 1 < self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the model's context), "
                              f"got {self.max_model_len}")
+        on_gpu = self.model.device.type == "cuda"
+        attention = attention or default_attention(self.model.device)
+        if cuda_graphs and not on_gpu:
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {self.model.device}")
+        if cuda_graphs is None:
+            cuda_graphs = on_gpu and attention == "triton"
+        if fused_ops is None:
+            fused_ops = on_gpu and importlib.util.find_spec("triton") is not None
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for_memory(self.model, block_size, max_num_seqs, self.max_model_len)
             mib = num_kv_blocks * block_size * cfg.kv_bytes_per_token(self.model.dtype) / 2**20
             console.print(f"[bold]KV cache[/] {num_kv_blocks:,} blocks × {block_size} tokens = "
                           f"{num_kv_blocks * block_size:,} tokens, {mib:,.0f} MiB on {self.model.device}")
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        manager = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
+        self.block_manager = manager(num_kv_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs)
-        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention)
+        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention, fused_ops, cuda_graphs,
+                                  max_num_seqs, self.max_model_len)
         self.eos_token_ids = set(cfg.eos_token_ids)
-        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self.sampler = Sampler()  # chooses the tokens; keeps penalised requests' token counts between steps
+        self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id (n completions each)
         self.trace: Trace | None = None  # set to Trace() to record every step
         self._ids = itertools.count()
         self._seeds = random.Random()  # seeds for sampled requests that bring none
 
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (None when the checkpoint has none)."""
+        return self.tokenizer
+
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue a request and return its id. Raises ValueError, touching nothing, if it
-        cannot be served."""
-        params = params or SamplingParams()
+        """Queue a request and return its id. prompt: text, a list of token ids, or vLLM's
+        {"prompt": text} / {"prompt_token_ids": ids}. request_id: any string not starting with
+        "auto-", which marks the ids the engine chooses itself when given None (so the two can
+        never collide). Raises ValueError, touching nothing, if it cannot be served."""
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
-        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id is None:
+            request_id = f"{AUTO_ID_PREFIX}{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id or request_id.startswith(AUTO_ID_PREFIX):
+            raise ValueError(f"request_id must be a non-empty string not starting with {AUTO_ID_PREFIX!r} (those are "
+                             f"the engine's own), got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params, self.max_model_len, prompt=text)
-        if arrival_time is not None:
-            seq.arrival_time = arrival_time
-        needed = self.block_manager.blocks_for(seq.max_total_tokens)
+        text, token_ids = self._tokenize(prompt)
+        self._check_params(params)
+        group = SequenceGroup(request_id, text, token_ids, params,
+                              prompt_logprobs=None if params.prompt_logprobs is None else [None])
+        for i in range(params.n):
+            name = request_id if params.n == 1 else f"{request_id}#{i}"
+            seq = Sequence(name, token_ids, params, self.max_model_len, prompt=text, index=i, group=group)
+            if arrival_time is not None:
+                seq.arrival_time = arrival_time
+            if not params.greedy:  # completion i of a seeded request uses seed + i
+                seed = self._seeds.getrandbits(63) if params.seed is None else (params.seed + i) % 2**64
+                seq.generator = torch.Generator(self.model.device).manual_seed(seed)
+            if self.tokenizer is not None:
+                seq.text = StopChecker(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
+            group.seqs.append(seq)
+        needed = self.block_manager.blocks_for(group.seqs[0].max_total_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"request {request_id!r} may need {needed} KV blocks, the pool only has "
-                             f"{self.block_manager.num_blocks}: it could never run")
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-            seq.generator = torch.Generator(self.model.device).manual_seed(seed)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+                             f"{self.block_manager.num_blocks}: it could never run (a smaller max_tokens would help)")
+        self.requests[request_id] = group
+        for seq in group.seqs:
+            self.scheduler.add(seq)
         return request_id
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(the text or None, the token ids), refusing prompts that cannot be served."""
+        if isinstance(prompt, dict):
+            keys = set(prompt)
+            if len(keys) != 1 or not keys <= {"prompt", "prompt_token_ids"}:
+                raise ValueError(f"a dict prompt holds one key, 'prompt' (text) or 'prompt_token_ids', got {sorted(keys)}")
+            (key, prompt), = prompt.items()
+            if (key == "prompt") != isinstance(prompt, str):
+                raise ValueError(f"{key!r} must be {'a string' if key == 'prompt' else 'a list of token ids'}, "
+                                 f"got {type(prompt).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, list | tuple):
+            for i, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise ValueError(f"token ids must be integers, got {t!r} ({type(t).__name__}) at position {i}")
             text, token_ids = None, [int(t) for t in prompt]
+        else:
+            raise ValueError(f"a prompt is a string, a list of token ids, or a dict with 'prompt' or "
+                             f"'prompt_token_ids', got {type(prompt).__name__}")
         vocab = self.model.config.vocab_size
         if not token_ids:
             raise ValueError("empty prompt: a request needs at least one token")
@@ -121,43 +222,116 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}")
         return text, token_ids
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks (unknown or finished ids are ignored)."""
-        seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: n against the batch, the vocabulary, and a
+        tokenizer for stop strings."""
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} completions cannot run side by side: at most max_num_seqs="
+                             f"{self.scheduler.max_num_seqs}")
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in the vocabulary [0, {vocab}), got {list(params.stop_token_ids)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {getattr(params, name)}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none (stop_token_ids work without)")
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request (or several) now, all n of its completions, and free their blocks.
+        Unknown or finished ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            group = self.requests.pop(rid, None)
+            for seq in group.seqs if group is not None else []:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return an output (tokens so far) for every request that got
-        a new token, finished ones included."""
+        """Run one scheduled step; return an output (everything so far) for every request that
+        got a new token, finished ones included (FINAL_ONLY requests: only when they finish)."""
         start = time.perf_counter()
-        schedule = self.scheduler.schedule()
-        if not schedule.seqs:  # nothing queued
-            return []
+        with record_function("schedule"):
+            schedule = self.scheduler.schedule()
+        if not schedule.seqs:
+            if self.scheduler.has_unfinished() and not schedule.preempted:
+                raise RuntimeError(
+                    f"Scheduler.schedule planned no tokens while {len(self.scheduler.waiting)} requests wait and "
+                    f"{len(self.scheduler.running)} run, and preempted nobody: the engine would wait forever")
+            return []  # nothing queued, or a step that only preempted
         record = self.trace.record(schedule, self.scheduler) if self.trace is not None else None
-        rows, logits = self.runner.run(schedule)
-        for seq, n in zip(schedule.seqs, schedule.num_new_tokens):
-            seq.num_computed_tokens += n
-        sampled = [schedule.seqs[i] for i in rows]
-        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        rows, logits, prompt_logits = self.runner.run(schedule)  # the "prepare" and "forward" phases
+        with record_function("sample"):
+            self._add_prompt_logprobs(schedule, prompt_logits)
+            for seq, n in zip(schedule.seqs, schedule.num_new_tokens):
+                seq.num_computed_tokens += n
+            sampled = [schedule.seqs[i] for i in rows]
+            result = self.sampler(logits, sampled, self.eos_token_ids)
         now = time.perf_counter()
-        outputs = []
-        for seq, token in zip(sampled, tokens):
-            seq.append_token(token, self.eos_token_ids, now)
-            if seq.finish_reason is not None:
-                seq.finish_time = now
-                self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
-            outputs.append(self._output(seq))
+        with record_function("finish"):
+            touched: dict[str, SequenceGroup] = {}
+            for seq, token, top in zip(sampled, result.token_ids, result.logprobs):
+                seq.append_token(token, self.eos_token_ids, now, None if top is None else self._logprob_dict(top))
+                params = seq.params
+                streamed = params.stop or params.output_kind is RequestOutputKind.CUMULATIVE
+                if seq.text is not None and (streamed or seq.finish_reason is not None):
+                    seq.update_text()  # may find a stop string and finish the sequence
+                if seq.finish_reason is not None:
+                    seq.finish_time = now
+                    self.scheduler.finish(seq)
+                touched[seq.group.request_id] = seq.group
+            outputs = []
+            for group in touched.values():
+                if group.is_finished:
+                    del self.requests[group.request_id]
+                if group.is_finished or group.params.output_kind is RequestOutputKind.CUMULATIVE:
+                    outputs.append(self._output(group))
         if record is not None:
-            record.seconds = now - start
+            record.seconds = time.perf_counter() - start
         return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(0, seq.output_token_ids, seq.finish_reason, self.tokenizer)
-        metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, metrics)
+    def _add_prompt_logprobs(self, schedule: SchedulerOutput, prompt_logits: dict[int, torch.Tensor]) -> None:
+        """Logprobs of the prompt tokens this step computed, for the requests that asked. Row j
+        of a sequence's prompt logits (its token at position start + j) predicts the token at
+        start + j + 1. Runs before num_computed_tokens moves on (start is still the old one)."""
+        for i, logits in prompt_logits.items():
+            seq = schedule.seqs[i]
+            filled, start = seq.group.prompt_logprobs, seq.num_computed_tokens
+            first = len(filled)  # the next prompt position without logprobs (position 0 has none)
+            last = min(start + schedule.num_new_tokens[i], seq.num_prompt_tokens - 1)
+            if not start < first <= last:  # done already (another completion, or a recompute), or not reached
+                continue
+            targets = torch.tensor(seq.prompt_token_ids[first:last + 1], device=logits.device)
+            k = seq.params.prompt_logprobs
+            rows = logits[first - 1 - start:last - start].float().log_softmax(dim=-1)
+            packed = top_logprobs(rows, targets, k).tolist()
+            filled += [self._logprob_dict(top) for top in unpack_logprobs(packed, [k] * len(targets))]
+
+    def _logprob_dict(self, top: TopLogprobs) -> dict[int, Logprob]:
+        """vLLM's form of one position's logprobs: token id -> Logprob, the chosen token first."""
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return {t: Logprob(lp, rank, decode([t]) if decode else None)
+                for t, lp, rank in zip(top.token_ids, top.logprobs, top.ranks)}
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        """A snapshot of the request: later steps do not change it."""
+        seqs = group.seqs
+        completions = [
+            CompletionOutput(seq.index, seq.output_text(), seq.output_token_ids, seq.cumulative_logprob,
+                             None if seq.logprobs is None else list(seq.logprobs), seq.finish_reason, seq.stop_reason)
+            for seq in seqs
+        ]
+        first_tokens = [seq.first_token_time for seq in seqs if seq.first_token_time is not None]
+        finished = group.is_finished
+        metrics = RequestMetrics(min(seq.arrival_time for seq in seqs), min(first_tokens, default=None),
+                                 max(seq.finish_time for seq in seqs) if finished else None,
+                                 sum(seq.num_preemptions for seq in seqs))
+        prompt_logprobs = None if group.prompt_logprobs is None else list(group.prompt_logprobs)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
+                             prompt_logprobs, sum(seq.num_cached_tokens for seq in seqs))

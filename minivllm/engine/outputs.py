@@ -1,26 +1,30 @@
-"""What the engine hands back for a request, shaped like vLLM's outputs (chapter 7)."""
+"""What the engine hands back for a request, shaped like vLLM's outputs (chapters 7 and 10).
+
+A request with n completions gets one RequestOutput whose `outputs[i]` is completion i.
+Log-probabilities come as vLLM gives them: for every position, a dict from token id to
+`Logprob`, holding the chosen token (sampled, or the prompt's own) and the top alternatives.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+
+@dataclass
+class Logprob:
+    logprob: float  # natural log of the probability the model gave the token (before any sampling setting)
+    rank: int | None = None  # 1 for the model's most likely token
+    decoded_token: str | None = None  # the token alone as text (None without a tokenizer)
 
 
 @dataclass
 class CompletionOutput:
-    index: int  # which completion of the request (always 0: one completion per request)
+    index: int  # which of the request's n completions
+    text: str  # the decoded output ("" when the checkpoint has no tokenizer), without the stop string
     token_ids: list[int]
-    finish_reason: str | None  # "length", "stop", or None while still generating
-    tokenizer: Any = field(default=None, repr=False)
-
-    @property
-    def text(self) -> str:
-        """The decoded output ("" when the checkpoint has no tokenizer). Decoded when first
-        read: a streaming engine makes an output every step, most are never looked at."""
-        if self._text is None:
-            self._text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True) if self.tokenizer else ""
-        return self._text
-
-    _text: str | None = field(default=None, init=False, repr=False)
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (only with logprobs)
+    logprobs: list[dict[int, Logprob]] | None = None  # one dict per output token, when asked for
+    finish_reason: str | None = None  # "length", "stop", "abort", or None while still generating
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None for EOS)
 
 
 @dataclass
@@ -39,5 +43,11 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = False
+    finished: bool = False  # every completion is done
     metrics: RequestMetrics | None = None
+    # One entry per prompt token: None for the first (nothing predicts it), then a dict as in
+    # CompletionOutput.logprobs. None unless SamplingParams.prompt_logprobs was set.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Prompt tokens whose K/V came from the prefix cache instead of being computed (chapter 11),
+    # summed over the request's completions (each of the n looks the prompt up).
+    num_cached_tokens: int = 0

@@ -7,6 +7,10 @@ and V sit in the cache). A step moves `num_computed_tokens` forward by whatever 
 grants; when it catches up with `num_tokens`, the last position's logits give a new token and
 `num_tokens` moves one ahead again. Prefill, chunked prefill, decode and recompute after a
 preemption are all this one rule; nothing in the engine asks "is this a prefill?".
+
+A request for n completions (chapter 10) is a `SequenceGroup` of n plain Sequences with the
+same prompt: the scheduler and the block manager see n independent sequences, each with its
+own block table, and only the engine knows they answer one request.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.engine.detokenizer import StopChecker
+from minivllm.engine.outputs import Logprob
 from minivllm.engine.sampler import SamplingParams
 
 
@@ -25,26 +31,35 @@ class Status(enum.Enum):
     FINISHED = "finished"  # done; its blocks are back in the pool
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `seq in scheduler.running` means this very sequence
 class Sequence:
-    request_id: str
+    request_id: str  # the request's id; "<id>#<i>" for completion i of a request with n > 1
     prompt_token_ids: list[int]
     params: SamplingParams
     max_model_len: int
     arrival_time: float = field(default_factory=time.perf_counter)
     prompt: str | None = None  # the text, when the request came as text
+    index: int = 0  # which of its request's n completions this is
+    group: SequenceGroup | None = field(default=None, repr=False)  # the request it belongs to
     token_ids: list[int] = field(init=False)  # prompt + output, the whole sequence
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length", "stop" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (chapter 11)
     first_token_time: float | None = None  # when its first output token was sampled
     finish_time: float | None = None
     generator: torch.Generator | None = None  # private randomness for sampled requests
+    logprobs: list[dict[int, Logprob]] | None = field(init=False)  # per output token, if asked for
+    cumulative_logprob: float | None = field(init=False)
+    text: StopChecker | None = None  # the output as text, for requests that need it while running
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        asked = self.params.logprobs is not None
+        self.logprobs, self.cumulative_logprob = ([], 0.0) if asked else (None, None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,20 +80,63 @@ class Sequence:
     @property
     def max_total_tokens(self) -> int:
         """The most tokens this sequence can ever hold in the cache (it is never asked to
-        compute its final sampled token, hence the - 1)."""
-        return min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len) - 1
+        compute its final sampled token, hence the - 1). max_tokens=None: up to the context."""
+        limit = self.max_model_len
+        if self.params.max_tokens is not None:
+            limit = min(self.num_prompt_tokens + self.params.max_tokens, limit)
+        return limit - 1
 
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append_token(self, token: int, eos_token_ids: set[int], now: float) -> None:
-        """Add a sampled token and decide whether the request is done."""
+    def append_token(
+        self, token: int, eos_token_ids: set[int], now: float, logprobs: dict[int, Logprob] | None = None,
+    ) -> None:
+        """Add a sampled token (and its logprobs, if the request asked) and decide whether the
+        request is done by its tokens: a stop token, EOS, or its length."""
         self.token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = now
-        stops = self.params.stop_token_ids
-        if token in stops or (token in eos_token_ids and not self.params.ignore_eos):
-            self.finish_reason = "stop"  # like vLLM, the stop token stays in the output
-        elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token].logprob
+        max_tokens = self.params.max_tokens
+        if token in self.params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token  # like vLLM, the stop token stays in the output
+        elif token in eos_token_ids and not self.params.ignore_eos:
+            self.finish_reason = "stop"
+        elif (max_tokens is not None and self.num_output_tokens >= max_tokens) or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"
+
+    def update_text(self) -> None:
+        """Decode the tokens the text has not seen yet and look for stop strings in the new
+        text (not before min_tokens are out, like vLLM). A stop string ends the request."""
+        done = self.num_prompt_tokens + self.text.num_output_tokens
+        search = self.num_output_tokens >= self.params.min_tokens
+        stop = self.text.update(self.token_ids[done:], final=self.finish_reason is not None, search=search)
+        if stop is not None:
+            self.finish_reason, self.stop_reason = "stop", stop
+
+    def output_text(self) -> str:
+        """The text this sequence shows now ("" without a tokenizer)."""
+        return self.text.visible(self.finish_reason is not None) if self.text is not None else ""
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: the n sequences that complete the same prompt. It is finished when all of
+    them are; an abort finishes all of them."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    # Filled as the prompt is computed (by whichever sequence computes it first): None for the
+    # first token, then one dict per prompt token. None unless the request asked.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)

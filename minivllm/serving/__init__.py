@@ -1,0 +1,12 @@
+"""Chapter 10: the engine behind an OpenAI-compatible HTTP server, the way vLLM users run it.
+
+    protocol.py      what goes over the wire: OpenAI's request fields, mapped to SamplingParams
+    sse.py           engine outputs -> streamed chunks (server-sent events)
+    async_engine.py  one thread owns and steps the LLMEngine; asyncio streams per request
+    metrics.py       Prometheus metrics: queue, KV cache, tokens, latency histograms
+    app.py           the FastAPI routes
+    bench.py         a load generator: TTFT, TPOT, ITL and goodput against concurrency or rate
+
+The server sits above `LLMEngine` and uses only its public methods (add_request, step,
+abort_request) plus read-only counts for /metrics.
+"""

@@ -1,0 +1,88 @@
+"""What GET /metrics reports, in Prometheus' text format (chapter 10).
+
+The same quantities vLLM exports, under `minivllm_` names: how many requests run and wait,
+how full the KV cache is, prompt and generated tokens, and the latencies a user feels as
+histograms. Each histogram has a bucket edge at the chapter's SLO (500 ms to the first token,
+20 ms between tokens = 50 tokens/s), so `le="0.5"` reads directly as "how many met it".
+
+All updates come from the engine thread, at the moment a step's outputs come out (or a request
+is taken in or aborted); the event loop only reads. prometheus_client's metrics are
+thread-safe, and the per-request clocks below are touched by the engine thread alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from minivllm.engine.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class _Clock:
+    arrival_time: float
+    last_token_time: float = 0.0
+    num_tokens: int = 0  # output tokens seen so far, all completions together
+
+
+class ServerMetrics:
+    """One registry per server, so that several servers (tests) in one process stay apart."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("minivllm_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("minivllm_num_requests_waiting", "Requests queued, not yet running", registry=r)
+        self.kv_cache_usage = Gauge("minivllm_kv_cache_usage", "Fraction of the KV-cache blocks in use (0-1)",
+                                    registry=r)
+        self.prompt_tokens = Counter("minivllm_prompt_tokens", "Prompt tokens of requests that started", registry=r)
+        self.generation_tokens = Counter("minivllm_generation_tokens", "Output tokens generated", registry=r)
+        self.finished = Counter("minivllm_requests_finished", "Requests done, by why they ended",
+                                ["finished_reason"], registry=r)
+        self.ttft = Histogram("minivllm_time_to_first_token_seconds", "Arrival to first output token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("minivllm_inter_token_latency_seconds", "Time between a request's output steps",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("minivllm_e2e_request_latency_seconds", "Arrival to last output token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self._clocks: dict[str, _Clock] = {}
+
+    def engine_state(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_cache_usage.set(kv_cache_usage)
+
+    def request_started(self, request_id: str, arrival_time: float) -> None:
+        self._clocks[request_id] = _Clock(arrival_time)
+
+    def request_aborted(self, request_id: str) -> None:
+        if self._clocks.pop(request_id, None) is not None:
+            self.finished.labels("abort").inc()
+
+    def step_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        """Count and time one step's outputs (`now`: time.perf_counter() when they came out)."""
+        for output in outputs:
+            clock = self._clocks.get(output.request_id)
+            if clock is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            if num_tokens > clock.num_tokens:
+                if clock.num_tokens == 0:
+                    self.ttft.observe(now - clock.arrival_time)
+                    self.prompt_tokens.inc(len(output.prompt_token_ids))
+                else:
+                    self.itl.observe(now - clock.last_token_time)
+                self.generation_tokens.inc(num_tokens - clock.num_tokens)
+                clock.num_tokens, clock.last_token_time = num_tokens, now
+            if output.finished:
+                self.e2e.observe(now - clock.arrival_time)
+                self.finished.labels(output.outputs[0].finish_reason or "unknown").inc()
+                del self._clocks[output.request_id]
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
