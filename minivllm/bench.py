@@ -59,6 +59,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "classroom": dict(requests=32, prompt=(8, 256), output=("capped_exp", 48, 256)),
     "long_prompt": dict(requests=8, prompt=(256, 448), output=("uniform", 8, 16)),
     "nano": dict(requests=256, prompt=(100, 1024), output=("uniform", 100, 1024)),
+    # The GPU ladder (`minivllm tour --device cuda`): nano's shape at half the lengths, so the
+    # launch-bound early stages finish their samples in seconds.
+    "ladder_gpu": dict(requests=128, prompt=(64, 512), output=("uniform", 32, 256)),
 }
 
 
@@ -256,3 +259,108 @@ def format_bytes(n: float) -> str:
             return f"{n:,.1f} {unit}".replace(".0 ", " ")
         n /= 1024
     raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------------------------------
+# Workloads that repeat themselves (chapter 11): the prefix cache only helps when requests
+# begin with the same tokens.
+# ------------------------------------------------------------------------------------------
+
+
+def _check_range(name: str, value: Any, minimum: int) -> tuple[int, int]:
+    """A (lo, hi) pair of ints with minimum <= lo <= hi, or a ValueError saying what is wrong."""
+    if (not isinstance(value, tuple) or len(value) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in value)
+            or not minimum <= value[0] <= value[1]):
+        raise ValueError(f"{name} must be a (lo, hi) tuple of ints with {minimum} <= lo <= hi, got {value!r}")
+    return value
+
+
+def _check_count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def make_shared_prefix_workload(
+    vocab_size: int, prefix_len: int, num_requests: int = 32, suffix: tuple[int, int] = (23, 200),
+    output: tuple[int, int] = (8, 32), seed: int = 0, rate: float | None = None,
+) -> Workload:
+    """Requests that all begin with one system prompt of `prefix_len` random tokens, followed by
+    a user part of its own (uniform in `suffix` tokens), with short outputs (uniform in `output`).
+
+    The defaults are the standard "shared prefix" workload around a 200-token system prompt:
+    prompts of 223-400 tokens, of which the shared part is 50-90 %. A sweep over the shared
+    share of a fixed prompt length P uses suffix=(P - prefix_len, P - prefix_len). With `rate`
+    (requests/s) arrivals follow a Poisson process, as in make_workload."""
+    _check_count("vocab_size", vocab_size, 1)
+    _check_count("prefix_len", prefix_len, 0)
+    _check_count("num_requests", num_requests, 1)
+    lo, hi = _check_range("suffix", suffix, 1)  # at least one token of its own: requests differ
+    out_lo, out_hi = _check_range("output", output, 1)
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    prompts = [system + [rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
+    output_lens = [rng.randint(out_lo, out_hi) for _ in range(num_requests)]
+    arrivals = None
+    if rate:
+        t, arrivals = 0.0, []
+        for _ in range(num_requests):
+            t += rng.expovariate(rate)
+            arrivals.append(t)
+    return Workload(f"shared prefix {prefix_len}", prompts, output_lens, arrivals)
+
+
+@dataclass
+class MultiTurnWorkload:
+    """Chats: conversation c's turn t sends messages[c][t] (token ids) and asks for
+    output_lens[c][t] tokens. Turn t's prompt is everything so far, turn t-1's prompt and its
+    answer, followed by the new message, so it can only be built once turn t-1 has answered
+    (see prompts())."""
+
+    name: str
+    messages: list[list[list[int]]]  # [conversation][turn] -> the user's new tokens
+    output_lens: list[list[int]]  # [conversation][turn]
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.messages[0])
+
+    @property
+    def longest_conversation(self) -> int:
+        """Tokens in the longest finished conversation: it must fit the model's context."""
+        return max(sum(map(len, m)) + sum(n) for m, n in zip(self.messages, self.output_lens))
+
+    def prompts(self, turn: int, histories: list[list[int]]) -> list[list[int]]:
+        """Turn `turn`'s prompts: each conversation's history (turn-1's prompt + its output
+        tokens; [] before the first turn) followed by its new message."""
+        if len(histories) != len(self.messages):
+            raise ValueError(f"expected {len(self.messages)} histories, got {len(histories)}")
+        return [history + messages[turn] for history, messages in zip(histories, self.messages)]
+
+    def describe(self) -> str:
+        first = [len(m[0]) for m in self.messages]
+        later = [len(x) for m in self.messages for x in m[1:]] or [0]
+        outs = [n for row in self.output_lens for n in row]
+        return (f"{self.name}: {len(self.messages)} conversations × {self.num_turns} turns, first message "
+                f"{min(first)}–{max(first)} tokens, later ones {min(later)}–{max(later)}, answers "
+                f"{min(outs)}–{max(outs)}; longest conversation {self.longest_conversation} tokens")
+
+
+def make_multi_turn_workload(
+    vocab_size: int, num_conversations: int = 8, turns: int = 5, first: tuple[int, int] = (48, 96),
+    message: tuple[int, int] = (8, 40), output: tuple[int, int] = (8, 40), seed: int = 0,
+) -> MultiTurnWorkload:
+    """Seeded chats of random tokens: a first message of `first` tokens, then turns - 1 more of
+    `message` tokens, each answered with `output` tokens (uniform ranges). The defaults end
+    below 500 tokens, inside the embedded model's 512-token context."""
+    _check_count("vocab_size", vocab_size, 1)
+    _check_count("num_conversations", num_conversations, 1)
+    _check_count("turns", turns, 1)
+    ranges = [_check_range("first", first, 1), _check_range("message", message, 1)]
+    out_lo, out_hi = _check_range("output", output, 1)
+    rng = random.Random(seed)
+    messages = [[[rng.randrange(vocab_size) for _ in range(rng.randint(*ranges[min(t, 1)]))] for t in range(turns)]
+                for _ in range(num_conversations)]
+    output_lens = [[rng.randint(out_lo, out_hi) for _ in range(turns)] for _ in range(num_conversations)]
+    return MultiTurnWorkload("multi-turn chat", messages, output_lens)

@@ -15,6 +15,8 @@ class BlockManager:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free: deque[int] = deque(range(num_blocks))
+        # Prompt tokens looked up in / found in the prefix cache (chapter 11): none here.
+        self.queried_tokens = self.hit_tokens = 0
 
     @property
     def num_free(self) -> int:
@@ -32,13 +34,21 @@ class BlockManager:
         return self.missing_blocks(table, num_tokens) <= self.num_free
 
     def grow(self, table: list[int], num_tokens: int) -> None:
-        """Append free blocks to `table` until it can hold num_tokens tokens."""
+        """Append free blocks to `table`, taken from the front of self.free, until it can hold
+        num_tokens tokens: len(table) == blocks_for(num_tokens) afterwards, or unchanged if it
+        was already that long (tables never shrink). If too few blocks are free, raise
+        RuntimeError("out of KV blocks: ...") and change nothing, neither `table` nor self.free."""
         # BEGIN SOLUTION
         needed = self.missing_blocks(table, num_tokens)
         if needed > self.num_free:
             raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free} free")
         table.extend(self.free.popleft() for _ in range(needed))
         # END SOLUTION
+
+    def reuse_prefix(self, seq) -> int:
+        """Chapter 11's prefix caching puts blocks that already hold seq's first tokens into its
+        table here and returns how many tokens they hold. This manager shares nothing: 0."""
+        return 0
 
     def release(self, table: list[int]) -> None:
         """Give every block of `table` back and empty it."""

@@ -61,7 +61,25 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step under the token budget, preempting when KV blocks run out."""
+        """Plan one step: which requests compute how many of their tokens, under the budget of
+        self.max_num_batched_tokens tokens, preempting when KV blocks run out.
+
+        1. self.running, oldest first, while budget is left: grant a request
+           n = min(num_tokens - num_computed_tokens, budget left) tokens and grow its block table
+           to num_computed_tokens + n tokens (block_manager.can_grow, then grow). While the blocks
+           do not fit, preempt the newest running request (self.preempt(self.running[-1]), and
+           append it to out.preempted); if that was the request itself, stop walking.
+        2. Then, only if nothing was preempted this step, admit self.waiting in arrival order
+           while budget is left and fewer than self.max_num_seqs run. The head of the queue
+           first takes the cached blocks of its prefix, if any (seq.num_computed_tokens =
+           block_manager.reuse_prefix(seq); always 0 before chapter 11). It comes in only if
+           the free blocks then cover its whole num_tokens plus one block per running request
+           (else it gives those blocks back with block_manager.release, num_computed_tokens
+           returns to 0, and nobody comes in: no one overtakes it); it gets as many of its
+           tokens as the budget allows, its blocks for them, status Status.RUNNING, and joins
+           the end of self.running (popped from self.waiting).
+        Record every grant with out.add(seq, n), n >= 1. A step that preempts nothing must grant
+        some token while requests are unfinished, or the engine would wait forever."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # BEGIN SOLUTION
@@ -85,9 +103,12 @@ class Scheduler:
         # memory is short, so nobody new comes in this step (the preempted one is first in line).
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            seq.num_computed_tokens = self.block_manager.reuse_prefix(seq)  # cached blocks (chapter 11)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             needed = self.block_manager.missing_blocks(seq.block_table, seq.num_tokens)  # the whole prompt
             if needed + len(self.running) > self.block_manager.num_free:
+                self.block_manager.release(seq.block_table)  # not this step: waiting requests hold nothing
+                seq.num_computed_tokens = 0
                 break  # first come, first served: nobody overtakes the head of the queue
             self.block_manager.grow(seq.block_table, seq.num_computed_tokens + n)
             self.waiting.popleft()

@@ -27,8 +27,10 @@ class StepRecord:
     preempted: list[str]
     waiting: list[str]  # queued after the plan, not computing anything this step
     stalled: list[str]  # running, but the budget ran out before their turn
-    kv_tokens: int  # tokens in the cache after this step, over all running requests
+    kv_tokens: int  # tokens in the cache after this step, over all running requests (a block that
+    # several requests share counts for each of them, so with prefix caching kv_tokens can exceed kv_reserved_tokens)
     kv_reserved_tokens: int  # slots in the blocks they hold (kv_tokens / this = KV utilisation)
+    cached_tokens: int = 0  # prompt tokens that requests admitted this step found in the prefix cache (chapter 11)
     seconds: float = 0.0  # how long the step took (filled in after it ran)
 
     @property
@@ -44,6 +46,7 @@ class StepRecord:
 class Trace:
     steps: list[StepRecord] = field(default_factory=list)
     high_water: dict[str, int] = field(default_factory=dict, repr=False)  # most tokens each request ever had cached
+    hits_seen: int = field(default=0, repr=False)  # the block manager's hit counter at the last record
 
     def record(self, schedule: SchedulerOutput, scheduler: Scheduler) -> StepRecord:
         """Describe a plan before it runs (num_computed_tokens still holds the old values)."""
@@ -65,9 +68,15 @@ class Trace:
             stalled=[s.request_id for s in scheduler.running if s.request_id not in scheduled],
             kv_tokens=sum(s.num_computed_tokens for s in scheduler.running) + schedule.total_tokens,
             kv_reserved_tokens=(manager.num_blocks - manager.num_free) * manager.block_size,
+            cached_tokens=manager.hit_tokens - self.hits_seen,
         )
+        self.hits_seen = manager.hit_tokens
         self.steps.append(record)
         return record
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(s.cached_tokens for s in self.steps)
 
     @property
     def num_preemptions(self) -> int:

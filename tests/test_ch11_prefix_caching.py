@@ -1,0 +1,233 @@
+"""Chapter 11: prefix caching. The hash chain, the longest-prefix lookup and reference-counted
+release against hand-built expectations; greedy tokens equal transformers' with caching on and
+off under starvation (tiny blocks, a pool that forces eviction and preemption, small budgets)
+for prompts that share none, one, many and all of their full blocks; and the block
+invariants after random sequences of add / step / abort."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from minivllm import LLM, LLMEngine, SamplingParams
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.prefix_cache import PrefixCachingBlockManager, block_hashes, hash_block
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.trace import Trace
+from tiny_models import random_prompts
+
+pytestmark = pytest.mark.ch11
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_block_hashes_chain_the_full_blocks():
+    tokens = list(range(10))
+    hashes = block_hashes(tokens, 4)
+    assert len(hashes) == 2, "two full blocks of 4; the last 2 tokens are a partial block with no hash"
+    assert hashes[0] == hash_block(None, [0, 1, 2, 3]) and hashes[1] == hash_block(hashes[0], [4, 5, 6, 7])
+    assert block_hashes(tokens[:3], 4) == [] and block_hashes(tokens, 1)[2] == hash_block(
+        hash_block(hash_block(None, [0]), [1]), [2])
+    # The same tokens after a different first block are different content: K/V depend on the past.
+    other = block_hashes([9, 1, 2, 3, 4, 5, 6, 7], 4)
+    assert other[0] != hashes[0] and other[1] != hashes[1]
+    # Equal prefixes, equal hashes; the first differing block and all after it differ.
+    changed = block_hashes(tokens[:4] + [99] + tokens[5:], 4)
+    assert changed[0] == hashes[0] and changed[1] != hashes[1]
+    assert len({hash_block(None, [i]) for i in range(100)}) == 100
+
+
+def seq_of(tokens: list[int], request_id: str = "r") -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(max_tokens=8), max_model_len=1000)
+
+
+def admit(manager: PrefixCachingBlockManager, tokens: list[int], request_id: str = "r") -> tuple[Sequence, int]:
+    """What the scheduler does at admission: reuse the cached prefix, then grow for the rest."""
+    seq = seq_of(tokens, request_id)
+    cached = manager.reuse_prefix(seq)
+    manager.grow(seq.block_table, seq.num_tokens)
+    return seq, cached
+
+
+def test_longest_cached_prefix_stops_at_the_first_miss():
+    manager = PrefixCachingBlockManager(8, 2)
+    a, _ = admit(manager, [1, 2, 3, 4, 5, 6, 7])
+    h = block_hashes(a.token_ids, 2)
+    assert manager.longest_cached_prefix(h) == a.block_table[:3]
+    assert manager.longest_cached_prefix(h[:1]) == a.block_table[:1]
+    assert manager.longest_cached_prefix([hash_block(None, [9, 9]), *h[1:]]) == [], "a gap is never skipped"
+    assert manager.longest_cached_prefix(block_hashes([1, 2, 3, 4, 0, 0], 2)) == a.block_table[:2]
+
+
+def test_sharing_counts_and_release_order():
+    manager = PrefixCachingBlockManager(6, 2)
+    a, cached_a = admit(manager, [1, 2, 3, 4, 5], "a")  # blocks: [1 2] [3 4] [5 _]
+    b, cached_b = admit(manager, [1, 2, 3, 4, 6, 7, 8], "b")  # shares two full blocks
+    assert (cached_a, cached_b) == (0, 4)
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert [manager.ref_counts[x] for x in a.block_table] == [2, 2, 1]
+    c, cached_c = admit(manager, [1, 2, 3, 4], "c")  # all its blocks are cached, yet the last token is computed
+    assert cached_c == 2 and c.block_table[0] == a.block_table[0] and c.block_table[1] not in a.block_table
+    shared = a.block_table[:2]
+    manager.release(a.block_table)
+    assert [manager.ref_counts[x] for x in shared] == [2, 1], "b and c still hold them"
+    assert not set(shared) & set(manager.free)
+    manager.release(b.block_table)
+    manager.release(c.block_table)
+    assert manager.num_free == 6 and all(n == 0 for n in manager.ref_counts)
+    # Freed, the content stays findable until the pool needs the memory...
+    d, cached_d = admit(manager, [1, 2, 3, 4, 5, 9], "d")
+    assert cached_d == 4 and d.block_table[:2] == shared
+    manager.release(d.block_table)
+    # ...and when it does, the least recently freed blocks go first: a request's tail before its prefix.
+    order = list(manager.free)
+    assert order[-1] == shared[0] and order[-2] == shared[1], "the prefix is freed last, so evicted last"
+
+
+def test_only_blocks_the_granted_tokens_fill_are_named():
+    """A block is findable once the tokens granted to it fill it (their K/V are written this
+    step), never earlier: a chunked prompt's half-computed block must not be shared."""
+    manager = PrefixCachingBlockManager(8, 4)
+    seq = seq_of(list(range(16)))
+    assert manager.reuse_prefix(seq) == 0
+    manager.grow(seq.block_table, 6)  # a first chunk of 6 tokens: block 0 full, block 1 half
+    assert list(manager.cached.values()) == seq.block_table[:1]
+    manager.grow(seq.block_table, 12)
+    assert list(manager.cached.values()) == seq.block_table[:3]
+    other = seq_of(list(range(16)), "other")
+    assert manager.reuse_prefix(other) == 12
+
+
+def test_eviction_takes_the_oldest_free_block_and_forgets_it():
+    manager = PrefixCachingBlockManager(3, 2)
+    a, _ = admit(manager, [1, 2, 3, 4, 5])
+    manager.release(a.block_table)
+    assert len(manager.cached) == 2
+    b, cached = admit(manager, [7, 7, 7, 7, 7])  # needs all three blocks: both cached ones are evicted
+    assert cached == 0 and manager.cached.keys() == set(block_hashes(b.token_ids, 2))
+    c = seq_of([1, 2, 3, 4, 5])
+    assert manager.reuse_prefix(c) == 0, "evicted content is not found any more"
+
+
+def check_invariants(engine: LLMEngine) -> None:
+    """Reference counts match the live tables; free + owned = the pool; cached blocks are exactly
+    the named ones; no block is free and owned at once."""
+    manager = engine.block_manager
+    tables = [seq.block_table for seq in engine.scheduler.running]
+    holders = Counter(b for table in tables for b in table)
+    assert all(manager.ref_counts[b] == holders.get(b, 0) for b in range(manager.num_blocks)), "ref counts"
+    free, owned = set(manager.free), set(holders)
+    assert not free & owned and len(free) + len(owned) == manager.num_blocks
+    assert all(not seq.block_table for seq in engine.scheduler.waiting), "waiting requests hold no blocks"
+    assert {manager.cached[h] for h in manager.block_hash.values()} == set(manager.block_hash)
+    assert all(manager.block_hash[b] == h for h, b in manager.cached.items())
+
+
+# Prompts over a system prompt of 13 tokens: with 4-token blocks they share 0, 1 or 3 full blocks,
+# one repeats another exactly (all blocks), one is a strict prefix of another.
+SYSTEM = random_prompts([13], seed=7)[0]
+PROMPTS = [
+    random_prompts([9], seed=1)[0],  # shares nothing
+    SYSTEM[:5] + random_prompts([6], seed=2)[0],  # shares one full block
+    SYSTEM + random_prompts([7], seed=3)[0],  # shares three
+    SYSTEM + random_prompts([7], seed=3)[0],  # all of the previous prompt's blocks
+    SYSTEM[:8],  # a strict prefix: two full blocks, and nothing left but its last token
+    SYSTEM + random_prompts([2], seed=4)[0],
+]
+LENGTHS = [10, 7, 12, 12, 9, 11]
+STARVED = dict(block_size=4, num_kv_blocks=10, max_num_batched_tokens=12, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cached", "plain"])
+def test_greedy_tokens_match_transformers_under_starvation(model, hf_model, reference, caching):
+    llm = LLM(model, enable_prefix_caching=caching, **STARVED)
+    llm.trace = Trace()
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in LENGTHS]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference(hf_model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    manager = llm.engine.block_manager
+    assert manager.num_free == STARVED["num_kv_blocks"]
+    assert llm.trace.num_preemptions > 0, "the settings were meant to force preemption"
+    if caching:
+        assert manager.hit_tokens > 0 and all(n == 0 for n in manager.ref_counts)
+    else:
+        assert type(manager) is BlockManager
+
+
+def test_cached_prefix_saves_the_work(qwen3_model, hf_models, reference):
+    """Once a prompt is in the cache, the same prompt computes only its last partial block."""
+    llm = LLM(qwen3_model, block_size=4)
+    llm.trace = Trace()
+    prompt, n = PROMPTS[2], 5
+    first = llm.generate(prompt, SamplingParams(max_tokens=n, **GREEDY), use_tqdm=False)[0]
+    steps_before = len(llm.trace.steps)
+    second = llm.generate(prompt, SamplingParams(max_tokens=n, **GREEDY), use_tqdm=False)[0]
+    expected = reference(hf_models["qwen3"], prompt, n)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == expected
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 16)
+    prefill = llm.trace.steps[steps_before].prefill
+    assert list(prefill.values()) == [len(prompt) % 4 or 4], "only the tokens after the cached blocks ran"
+    assert llm.trace.steps[steps_before].cached_tokens == llm.trace.num_cached_tokens == 16
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_invariants_under_random_add_step_abort(qwen3_model, hf_models, reference, seed):
+    rng = random.Random(seed)
+    engine = LLMEngine(qwen3_model, block_size=2, num_kv_blocks=16, max_num_batched_tokens=10, max_num_seqs=4)
+    engine.trace = Trace()
+    pool = [SYSTEM[:rng.randint(1, 13)] + random_prompts([rng.randint(0, 6)], seed=100 + i)[0] for i in range(12)]
+    expected, got, aborted, added = {}, {}, set(), 0
+    for step in range(400):
+        if added < len(pool) and rng.random() < 0.6:
+            n = rng.randint(2, 10)
+            rid = f"q{added}"
+            engine.add_request(pool[added], SamplingParams(max_tokens=n, **GREEDY), request_id=rid)
+            expected[rid] = (pool[added], n)
+            added += 1
+        if engine.requests and rng.random() < 0.08:
+            victim = rng.choice(sorted(engine.requests))
+            engine.abort_request(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        check_invariants(engine)
+        if added == len(pool) and not engine.has_unfinished_requests():
+            break
+    else:
+        pytest.fail("the engine never emptied")
+    hf = hf_models["qwen3"]
+    for rid, tokens in got.items():
+        prompt, n = expected[rid]
+        assert tokens == reference(hf, prompt, n), rid
+    assert set(got) | aborted == set(expected)
+    assert engine.block_manager.hit_tokens > 0 and engine.trace.num_preemptions > 0
+
+
+def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(qwen3_model):
+    """A request that asks for prompt logprobs needs every prompt token's logits, so it reuses
+    no cached block; its logprobs equal those of an engine without a cache."""
+    prompt = PROMPTS[2]
+    params = SamplingParams(max_tokens=3, prompt_logprobs=1, **GREEDY)
+    cached = LLM(qwen3_model, block_size=4)
+    cached.generate(prompt, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)  # fills the cache
+    with_cache = cached.generate(prompt, params, use_tqdm=False)[0]
+    plain = LLM(qwen3_model, block_size=4, enable_prefix_caching=False).generate(prompt, params, use_tqdm=False)[0]
+    assert with_cache.prompt_logprobs[0] is None and len(with_cache.prompt_logprobs) == len(prompt)
+    for got, want in zip(with_cache.prompt_logprobs[1:], plain.prompt_logprobs[1:]):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
+
+
+def test_n_completions_share_their_prompt_blocks(qwen3_model):
+    """The n samples of one prompt compute it once: the first child's blocks are named as soon
+    as its tokens are granted, so its siblings, admitted in the same step, find them."""
+    prompt = PROMPTS[2]  # 20 tokens: 4 full blocks of 4 usable, the last block recomputed
+    llm = LLM(qwen3_model, block_size=4)
+    llm.trace = Trace()
+    out = llm.generate(prompt, SamplingParams(n=4, max_tokens=3, temperature=1.0, seed=0), use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and out.num_cached_tokens == 3 * 16
+    first = llm.trace.steps[0]
+    assert sorted(first.prefill.values()) == [4, 4, 4, 20], "one child computes the prompt, three reuse it"
+    assert first.cached_tokens == 3 * 16
