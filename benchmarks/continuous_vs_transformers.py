@@ -44,6 +44,7 @@ from minivllm.bench import (
 )
 from minivllm.engine.trace import StepRecord, Trace
 from minivllm.peers import (
+    continuous_batching_unavailable,
     hf_generate_batch,
     hf_static_generate,
     to_transformers,
@@ -153,8 +154,11 @@ def main() -> None:
     runners = {
         OURS: minivllm_generate,
         STATIC: lambda prompts, lens: hf_static_generate(hf_model, prompts, lens, args.batch_size),
-        CONTINUOUS: lambda prompts, lens: hf_generate_batch(hf_model, prompts, lens),
     }
+    if reason := continuous_batching_unavailable():
+        console.print(f"[yellow]{CONTINUOUS} left out:[/] {reason}")
+    else:
+        runners[CONTINUOUS] = lambda prompts, lens: hf_generate_batch(hf_model, prompts, lens)
     own_count = WORKLOADS[args.workload]["requests"]
     counts = sorted(set(args.requests or [own_count]))
     warm = make_workload(args.workload, model.config.vocab_size, seed=args.seed, num_requests=2)
@@ -185,7 +189,7 @@ def main() -> None:
          for r in headline["rows"]],
         f"{headline['workload']['requests']} requests", [run["workload"]["requests"] for run in runs],
         {name: [next(r for r in run["rows"] if r["name"] == name)["minivllm_speedup_over_this"] for run in runs]
-         for name in (STATIC, CONTINUOUS)},
+         for name in runners if name != OURS},
         TARGET, [COLORS[name] for name in runners], subtitle)
     console.print(f"saved {path} and {plots.save(fig, '07_vs_transformers')}")
 

@@ -48,7 +48,7 @@ from minivllm.bench import (
     useful_tokens,
 )
 from minivllm.model import Decoder
-from minivllm.peers import hf_generate_batch, to_transformers
+from minivllm.peers import continuous_batching_unavailable, hf_generate_batch, to_transformers
 from minivllm.plots.roofline import plot_roofline
 from minivllm.profiling import VARIANTS, variants_for
 from minivllm.roofline import copy_bandwidth, decode_floor
@@ -94,7 +94,8 @@ def run_transformers(model: Decoder, work: Workload, warm: Workload) -> tuple[fl
 
 
 def measure(model: Decoder, work: Workload, variants: list[str], repeats: int) -> list[dict]:
-    """One row per runner: each engine setting (`repeats` runs, the median counts), then transformers (one run)."""
+    """One row per runner: each engine setting (`repeats` runs, the median counts), then transformers
+    (one run), where the installed transformers has continuous batching."""
     device = model.device
     warm = Workload("warm-up", work.prompts[:2], [4, 4])
     rows, outputs = [], {}
@@ -112,10 +113,13 @@ def measure(model: Decoder, work: Workload, variants: list[str], repeats: int) -
         rows.append(dict(name=f"minivllm ({name})", options=VARIANTS[name], seconds=seconds))
         del llm
         free_memory(device)
-    s, outputs[PEER] = run_transformers(model, work, warm)
-    console.print(f"{PEER}: {s:.2f} s")
-    rows.append(dict(name=PEER, options={}, seconds=[s]))
-    free_memory(device)
+    if reason := continuous_batching_unavailable():
+        console.print(f"[yellow]{PEER} left out:[/] {reason}")
+    else:
+        s, outputs[PEER] = run_transformers(model, work, warm)
+        console.print(f"{PEER}: {s:.2f} s")
+        rows.append(dict(name=PEER, options={}, seconds=[s]))
+        free_memory(device)
     reference = outputs[variants[0]]
     for row, key in zip(rows, [*variants, PEER]):
         same = sum(a == b for a, b in zip(outputs[key], reference))
@@ -132,7 +136,8 @@ def print_table(rows: list[dict], title: str) -> None:
         table.add_column(column, justify="left" if column == "runner" else "right")
     for row in rows:
         table.add_row(row["name"], f"{row['median_seconds']:.2f}", format_tokens_per_second(row["tokens_per_second"]),
-                      f"{row['share_of_roofline']:.1%}", f"{row['speedup_over_transformers']:.2f}×",
+                      f"{row['share_of_roofline']:.1%}",
+                      "—" if row["speedup_over_transformers"] is None else f"{row['speedup_over_transformers']:.2f}×",
                       row["same_tokens_as_engine"])
     console.print(table)
 
@@ -174,10 +179,10 @@ def main() -> None:
                   f"{floor.tokens_per_second:,.0f} tok/s at most")
 
     rows = measure(model, work, variants, args.repeats)
-    peer = rows[-1]["tokens_per_second"]
+    peer = next((row["tokens_per_second"] for row in rows if row["name"] == PEER), None)
     for row in rows:
         row["share_of_roofline"] = floor.seconds / row["median_seconds"]
-        row["speedup_over_transformers"] = row["tokens_per_second"] / peer
+        row["speedup_over_transformers"] = row["tokens_per_second"] / peer if peer else None
     subtitle = (f"{args.workload} workload ({len(work.prompts)} requests), {shape}, {env['device']}, {env['dtype']}"
                 + (f", median of {args.repeats}" if args.repeats > 1 else ""))
     print_table(rows, f"the roofline: {subtitle}")

@@ -51,38 +51,63 @@ def hf_static_generate(hf_model: Any, prompts: list[list[int]], output_lens: lis
     return outputs
 
 
+# The first transformers whose continuous batching minivllm drives: its cache is sized by a
+# ContinuousBatchingConfig (new in 5.4, whose 5.4.0 crashes on a CPU). Older versions still serve
+# as the reference every stage is checked against; only this peer needs the newer one.
+CONTINUOUS_BATCHING_SINCE = "5.5"
+
+
+class PeerUnavailable(RuntimeError):
+    """The installed transformers cannot run this peer: the tour and benchmarks say why, tests skip."""
+
+
+def continuous_batching_unavailable() -> str | None:
+    """Why `hf_generate_batch` cannot run with the installed transformers, or None if it can."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(CONTINUOUS_BATCHING_SINCE):
+        return (f"transformers {transformers.__version__} has no continuous batching that minivllm can drive "
+                f"(needs transformers>={CONTINUOUS_BATCHING_SINCE}); upgrade it, or leave the peers out (--no-peers)")
+    return None
+
+
 @torch.no_grad()  # not inference_mode: the manager's thread updates tensors created here in place
 def hf_generate_batch(
     hf_model: Any, prompts: list[list[int]], output_lens: list[int], max_batch_tokens: int = 2048
 ) -> list[list[int]]:
-    """transformers' continuous batching (transformers >= 5). `generate_batch` takes one
+    """transformers' continuous batching (transformers >= 5.5). `generate_batch` takes one
     max_new_tokens for all requests, so we drive the manager it wraps ourselves and give each
     request its own length: the same work minivllm does, not the longest output for all.
 
-    The cache is sized explicitly to hold every request at once: on CPU without psutil,
-    transformers would otherwise size it from the machine's whole memory (slow to allocate)."""
+    The cache is sized explicitly to hold every request at once: left to itself, transformers sizes
+    it from the device's free memory (on a CPU, the machine's whole memory: slow to allocate).
+    On a CPU, transformers up to 5.20 also needs psutil to see that memory at all."""
+    if reason := continuous_batching_unavailable():
+        raise PeerUnavailable(reason)
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    page = ContinuousBatchingConfig().page_size  # tokens per block
+    defaults = ContinuousBatchingConfig()
+    page = getattr(defaults, "page_size", None) or defaults.block_size  # tokens per block: "block_size" until 5.17
     blocks = sum(-(-(len(p) + n) // page) for p, n in zip(prompts, output_lens))
     cb_config = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=max_batch_tokens)
     config = _greedy_config(max(output_lens))
     results: dict[str, list[int]] = {}
-    # Its logger warns that EOS is unset and psutil missing on every call: both are expected
-    # here (no EOS on purpose, the cache sized explicitly), so keep them off the console.
+    # Its logger warns that EOS is unset on every call: expected here (no EOS on purpose).
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     with hf_model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
                                                      block=True, timeout=5) as manager:
         ids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, eos_token_id=-1)
                for i, (p, n) in enumerate(zip(prompts, output_lens))]
         while len(results) < len(ids):
-            result = manager.get_result(timeout=1)
+            result = manager.get_result(timeout=1)  # not streaming: a request comes back once, finished or failed
             if result is None:
                 if not manager.is_running():
                     raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
                 continue
-            if result.is_finished():
-                results[result.request_id] = list(result.generated_tokens)
+            if result.error:
+                raise RuntimeError(f"transformers' continuous batching failed {result.request_id}: {result.error}")
+            results[result.request_id] = list(result.generated_tokens)
     return [results[i][:n] for i, n in zip(ids, output_lens)]
 
 

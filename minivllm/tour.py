@@ -18,7 +18,8 @@ from minivllm.bench import (StageResult, Workload, console, environment, format_
                             make_workload, run_stage, save_results)
 from minivllm.loader import CONFIGS, load_model
 from minivllm.model import Decoder
-from minivllm.peers import hf_generate_batch, hf_static_generate, to_transformers, token_positions
+from minivllm.peers import (continuous_batching_unavailable, hf_generate_batch, hf_static_generate, to_transformers,
+                            token_positions)
 from minivllm.plots.lines import plot_bars
 from minivllm.stages import STAGES
 from minivllm.stages.common import StageStats
@@ -56,7 +57,8 @@ def reference_outputs(hf: Any, workload: Workload, sample: list[int]) -> dict[in
 
 
 def peer_runners(hf: Any, batch_size: int = 16) -> dict[str, Any]:
-    """transformers' own batched generation, wrapped like a stage (same prompts and lengths)."""
+    """transformers' own batched generation, wrapped like a stage (same prompts and lengths).
+    Its continuous batching is left out, with a note, where the installed transformers has none."""
 
     def static(model: Decoder, prompts: list[list[int]], lens: list[int], stats: StageStats) -> list[list[int]]:
         needed, padded = token_positions(prompts, lens, batch_size)  # padded rectangles: count that work
@@ -68,7 +70,12 @@ def peer_runners(hf: Any, batch_size: int = 16) -> dict[str, Any]:
         stats.token_slots += token_positions(prompts, lens, batch_size)[0]
         return hf_generate_batch(hf, prompts, lens)
 
-    return {f"transformers generate (static, batch {batch_size})": static, "transformers generate_batch": continuous}
+    runners = {f"transformers generate (static, batch {batch_size})": static}
+    if reason := continuous_batching_unavailable():
+        console.print(f"[yellow]transformers generate_batch left out:[/] {reason}")
+    else:
+        runners["transformers generate_batch"] = continuous
+    return runners
 
 
 def agreement(result: StageResult, reference: dict[int, list[int]]) -> str:

@@ -7,6 +7,8 @@ import runpy
 import sys
 from pathlib import Path
 
+from minivllm.peers import continuous_batching_unavailable
+
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "continuous_vs_transformers.py"
 
 
@@ -18,8 +20,12 @@ def test_engine_benchmark_writes_json_and_figure(tiny_checkpoint, tmp_path, monk
     payload = json.loads((tmp_path / "benchmarks/results/07_vs_transformers_cpu.json").read_text())
     assert (tmp_path / "figures/07_vs_transformers.png").stat().st_size > 10_000
     assert [run["workload"]["requests"] for run in payload["runs"]] == [3, 8]
+    peers = ["transformers generate (static)"]
+    if not continuous_batching_unavailable():  # transformers < 5.5 has no continuous batching to compare with
+        peers.append("transformers generate_batch")
     for run in payload["runs"]:
         n = run["workload"]["requests"]
+        assert [row["name"] for row in run["rows"]] == ["minivllm LLM.generate", *peers]
         for row in run["rows"]:
             assert row["same_tokens_as_minivllm"] == f"{n}/{n}", row["name"]
             assert row["useful_tokens"] == sum(run["workload"]["output_lens"])

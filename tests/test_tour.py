@@ -8,6 +8,7 @@ import pytest
 
 from minivllm.bench import StageResult
 from minivllm.cli import main
+from minivllm.peers import continuous_batching_unavailable
 from minivllm.tour import agreement
 
 
@@ -22,7 +23,9 @@ def test_tour_writes_json_and_figure(tiny_checkpoint, tmp_path, monkeypatch):
     assert {"device", "dtype", "torch", "transformers", "model"} <= payload["environment"].keys()
     assert len(payload["workload"]["prompt_lens"]) == 4
     rows = {r["name"]: r for r in payload["rows"]}
-    peers = ["transformers generate (static, batch 16)", "transformers generate_batch"]
+    peers = ["transformers generate (static, batch 16)"]
+    if not continuous_batching_unavailable():  # transformers < 5.5 has no continuous batching to compare with
+        peers.append("transformers generate_batch")
     assert list(rows) == stages.split(",") + peers
     for row in rows.values():
         assert row["agrees"] == "✓", f"{row['name']} disagrees with transformers: {row['agrees']}"
@@ -30,7 +33,7 @@ def test_tour_writes_json_and_figure(tiny_checkpoint, tmp_path, monkeypatch):
         assert row["tokens_per_second"] > 0 and 0 <= row["padding_waste"] < 1
     assert rows["naive"]["speedup"] == 1.0
     assert rows["static_batch"]["padding_waste"] > 0 and rows["ragged_batch"]["padding_waste"] == 0
-    assert rows[peers[0]]["padding_waste"] > 0 and rows[peers[1]]["padding_waste"] == 0
+    assert rows[peers[0]]["padding_waste"] > 0 and all(rows[p]["padding_waste"] == 0 for p in peers[1:])
 
 
 def test_agreement_reports_mismatches():
