@@ -11,7 +11,7 @@ from minivllm.attention.masks import block_diagonal_mask
 from minivllm.stages import ragged_batch
 from minivllm.stages.common import StageStats
 from minivllm.stages.kv_cache import KVCache
-from tiny_models import random_prompts, random_qkv, reference_attention
+from tiny_models import raises_runtime_error, random_prompts, random_qkv, reference_attention
 
 pytestmark = pytest.mark.ch04
 
@@ -80,7 +80,7 @@ def test_attention_that_moves_cache_length_is_named(qwen3_model, monkeypatch):
         return correct(self, layer, q, k, v)
 
     monkeypatch.setattr(ragged_batch.RaggedAttention, "__call__", moves_length)
-    with pytest.raises(RuntimeError, match="the attention moved cache.length"):
+    with raises_runtime_error("the attention moved cache.length"):
         ragged_batch.generate(qwen3_model, random_prompts([4, 2]), 2)
 
 

@@ -15,7 +15,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.kv_memory import compare
 from minivllm.stages import paged
 from minivllm.stages.common import StageStats
-from tiny_models import reference_attention
+from tiny_models import raises_runtime_error, reference_attention
 
 pytestmark = pytest.mark.ch06
 
@@ -66,7 +66,7 @@ def test_grow_takes_a_block_only_when_a_token_needs_it():
             f"after grow(table, {tokens}): table {table}, {blocks.num_free} free; blocks must come off the free "
             f"list, once each")
     before, free_before = list(table), list(blocks.free)
-    with pytest.raises(RuntimeError, match="out of KV blocks"):
+    with raises_runtime_error("out of KV blocks"):
         blocks.grow(table, 4 * 7)  # needs 7 blocks in all, there are 6
     assert table == before and list(blocks.free) == free_before, (
         "a grow that cannot be served must change nothing (no half-grown table, no lost free blocks): "
@@ -100,7 +100,7 @@ def test_block_manager_invariants_under_random_allocate_grow_release(seed):
                 history.append(f"grow {seq} to {want} tokens")
             else:
                 before = (list(table), blocks.num_free)
-                with pytest.raises(RuntimeError):
+                with raises_runtime_error("out of KV blocks"):
                     blocks.grow(table, want)
                 assert (table, blocks.num_free) == before, f"a refused grow changed state; ops: {history[-5:]}"
         owned = [b for table, _ in tables.values() for b in table]

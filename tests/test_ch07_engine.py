@@ -13,7 +13,7 @@ from minivllm import LLM, LLMEngine, SamplingParams, load_model
 from minivllm.engine.trace import Trace
 from minivllm.stages import STAGES
 from minivllm.stages.common import StageStats
-from tiny_models import random_prompts
+from tiny_models import raises_runtime_error, random_prompts
 
 pytestmark = pytest.mark.ch07
 
@@ -278,5 +278,5 @@ def test_a_schedule_that_plans_nothing_fails_at_once_instead_of_hanging(qwen3, m
     from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 
     monkeypatch.setattr(Scheduler, "schedule", lambda self: SchedulerOutput())
-    with pytest.raises(RuntimeError, match="schedule"):
+    with raises_runtime_error("schedule"):
         LLM(qwen3[0]).generate(PROMPTS[0], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)

@@ -5,6 +5,11 @@ two tokens would otherwise make "same tokens as transformers" a coin toss on rou
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
 import torch
 import transformers
 
@@ -73,3 +78,18 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+@contextmanager
+def raises_runtime_error(match: str) -> Iterator[None]:
+    """pytest.raises(RuntimeError, match=...) for checks that run exercises: a stub's
+    NotImplementedError is a RuntimeError too, and must not be taken for the error the check
+    expects. It goes through, so the student sees which exercise is still a stub."""
+    try:
+        yield
+    except NotImplementedError:
+        raise
+    except RuntimeError as error:
+        assert re.search(match, str(error)), f"expected a RuntimeError matching {match!r}, got: {error}"
+    else:
+        pytest.fail(f"expected a RuntimeError matching {match!r}; nothing was raised")
