@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -21,6 +22,15 @@ def _tour(args: argparse.Namespace) -> None:
         print(markdown_table(payload))
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`minivllm serve`'s engine settings as LLMEngine keywords. None leaves the engine's own
+    choice: on a GPU, Triton attention, CUDA graphs and fused ops; prefix caching everywhere."""
+    return dict(device=args.device, dtype=dtype_argument(args), block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention,
+                cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching)
+
+
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -30,9 +40,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # the CPU threads of the model's operations
-    engine = LLMEngine(args.model, device=args.device, dtype=dtype_argument(args), block_size=args.block_size,
-                       num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention)
+    engine = LLMEngine(args.model, **engine_options(args))
     if args.chat_template:
         if engine.tokenizer is None:
             raise SystemExit("--chat-template: this model has no tokenizer")
@@ -80,7 +88,11 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     serve.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     serve.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
-    serve.add_argument("--attention", default="torch", help="torch or triton")
+    serve.add_argument("--attention", default=None, choices=["torch", "triton"],
+                       help="paged attention (default: triton on a GPU, torch on a CPU)")
+    serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as vLLM's flag)")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="share the KV blocks of common prefixes (default: on, as in vLLM)")
     serve.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     serve.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
                        help="static: batches of --static-batch-size that run until their longest request is done")

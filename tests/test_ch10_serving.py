@@ -304,6 +304,22 @@ def test_metrics_are_prometheus_text_whose_counts_add_up(server, http):
     assert after["minivllm_kv_cache_usage"] == 0
 
 
+@pytest.mark.ch11  # the prefix cache's hit counters
+def test_metrics_count_prefix_cache_queries_and_hits(default_model, tokenizer):
+    """The second request with the same 40-token prompt finds its two full 16-token blocks (32
+    tokens; the last block is partial, and the last prompt token is always computed)."""
+    engine = LLMEngine(default_model, tokenizer=tokenizer, enable_prefix_caching=True, **ENGINE)
+    prompt = list(range(100, 140))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+    with running_server(engine) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
+        counts = []
+        for _ in range(2):
+            assert http.post("/v1/completions", json=body).status_code == 200
+            values = wait_until_idle(http)
+            counts.append((values["minivllm_prefix_cache_queries_total"], values["minivllm_prefix_cache_hits_total"]))
+    assert counts == [(40, 0), (80, 32)]
+
+
 def test_health_and_models(http):
     assert http.get("/health").status_code == 200
     models = http.get("/v1/models").json()
@@ -477,3 +493,24 @@ def test_event_stream_framing():
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 2,
                                                                    "total_tokens": 4}
     assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
+
+
+@pytest.mark.ch11  # the server's default engine is chapter 11's, with the prefix cache on
+def test_serve_flags_reach_the_engine(tiny_checkpoint):
+    """`minivllm serve` passes vLLM's --enforce-eager and --[no-]enable-prefix-caching through, and
+    leaves the rest to the engine's own per-device choice."""
+    from minivllm.cli import build_parser, engine_options
+    from minivllm.engine.prefix_cache import PrefixCachingBlockManager
+
+    def options(*flags: str) -> dict:
+        return engine_options(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), *flags]))
+
+    assert options()["attention"] is None and options()["cuda_graphs"] is None
+    assert options()["enable_prefix_caching"] is None
+    assert options("--enforce-eager")["cuda_graphs"] is False
+    assert options("--no-enable-prefix-caching")["enable_prefix_caching"] is False
+    assert options("--enable-prefix-caching")["enable_prefix_caching"] is True
+    engine = LLMEngine(str(tiny_checkpoint), **options("--no-enable-prefix-caching", "--device", "cpu"))
+    assert not isinstance(engine.block_manager, PrefixCachingBlockManager)
+    engine = LLMEngine(str(tiny_checkpoint), **options("--device", "cpu"))
+    assert isinstance(engine.block_manager, PrefixCachingBlockManager)

@@ -1,7 +1,8 @@
 """What GET /metrics reports, in Prometheus' text format (chapter 10).
 
 The same quantities vLLM exports, under `minivllm_` names: how many requests run and wait,
-how full the KV cache is, prompt and generated tokens, and the latencies a user feels as
+how full the KV cache is, how many prompt tokens the prefix cache (chapter 11) was asked for and
+found, prompt and generated tokens, and the latencies a user feels as
 histograms. Each histogram has a bucket edge at the chapter's SLO (500 ms to the first token,
 20 ms between tokens = 50 tokens/s), so `le="0.5"` reads directly as "how many met it".
 
@@ -39,6 +40,12 @@ class ServerMetrics:
         self.waiting = Gauge("minivllm_num_requests_waiting", "Requests queued, not yet running", registry=r)
         self.kv_cache_usage = Gauge("minivllm_kv_cache_usage", "Fraction of the KV-cache blocks in use (0-1)",
                                     registry=r)
+        # Prompt tokens looked up in the prefix cache and found there: hits / queries is the hit rate.
+        self.prefix_cache_queries = Counter("minivllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                            registry=r)
+        self.prefix_cache_hits = Counter("minivllm_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                         registry=r)
+        self._prefix_seen = (0, 0)  # the block manager's (queried, hit) totals at the last update
         self.prompt_tokens = Counter("minivllm_prompt_tokens", "Prompt tokens of requests that started", registry=r)
         self.generation_tokens = Counter("minivllm_generation_tokens", "Output tokens generated", registry=r)
         self.finished = Counter("minivllm_requests_finished", "Requests done, by why they ended",
@@ -51,10 +58,17 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self._clocks: dict[str, _Clock] = {}
 
-    def engine_state(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+    def engine_state(self, running: int, waiting: int, kv_cache_usage: float, prefix_queried_tokens: int = 0,
+                     prefix_hit_tokens: int = 0) -> None:
+        """The scheduler's and block manager's state; the prefix-cache totals are the block
+        manager's running sums, which the counters follow."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_cache_usage.set(kv_cache_usage)
+        queried, hit = self._prefix_seen
+        self.prefix_cache_queries.inc(prefix_queried_tokens - queried)
+        self.prefix_cache_hits.inc(prefix_hit_tokens - hit)
+        self._prefix_seen = (prefix_queried_tokens, prefix_hit_tokens)
 
     def request_started(self, request_id: str, arrival_time: float) -> None:
         self._clocks[request_id] = _Clock(arrival_time)
