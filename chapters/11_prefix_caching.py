@@ -159,7 +159,7 @@ def sample(model, tokenizer) -> dict:
                 same_tokens=all(same))
 
 
-def shared_blocks(model) -> dict:
+def shared_blocks(model) -> tuple[dict, plots.Figure]:
     """Request 0 computes a 13-token system prompt and finishes; requests 1-3 arrive with the
     same system prompt and are caught mid-decode: their tables start with request 0's blocks."""
     block_size, vocab = 4, model.config.vocab_size
@@ -183,10 +183,9 @@ def shared_blocks(model) -> dict:
              f"last token shares a block with each request's own tokens,\nso each computes that block itself: only "
              f"full blocks are shared. Request 0's other full blocks stay findable until evicted.")
     fig = plot_shared_blocks(tables, held, manager.ref_counts, set(manager.block_hash), title)
-    console.print(f"saved {plots.save(fig, '11_shared_blocks')}")
     return dict(block_size=block_size, system_prompt_tokens=len(system), tables=tables,
                 cached_tokens={s.request_id: s.num_cached_tokens for s in running},
-                ref_counts=list(manager.ref_counts))
+                ref_counts=list(manager.ref_counts)), fig
 
 
 def n_completions(model, n: int = 4, prompt_len: int = 120) -> dict:
@@ -386,8 +385,10 @@ def main() -> None:
     suffix = "" if model.device.type == "cpu" else f"_{model.device.type}"
     start = time.perf_counter()
 
-    facts = dict(sample=sample(model, tokenizer), shared_blocks=shared_blocks(model),
-                 n_completions=n_completions(model))
+    facts = dict(sample=sample(model, tokenizer))
+    facts["shared_blocks"], fig = shared_blocks(model)
+    console.print(f"saved {plots.save(fig, '11_shared_blocks')}")
+    facts["n_completions"] = n_completions(model)
     facts["headline"] = headline(model, args)
     facts["sweep"], fig = sweep(model, args)
     console.print(f"saved {plots.save(fig, '11_shared_prefix' + suffix)}")
