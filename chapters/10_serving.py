@@ -30,14 +30,11 @@ import argparse
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
 import torch
-import uvicorn
-from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from rich.table import Table
 from rich.text import Text
@@ -45,8 +42,8 @@ from rich.text import Text
 from minivllm import LLMEngine, load_tokenizer
 from minivllm.bench import WORKLOADS, chapter_parser, console, environment, load_for_chapter, save_results
 from minivllm.engine.llm_engine import kv_blocks_for_memory
-from minivllm.serving.app import build_app
 from minivllm.serving.bench import PERCENTILES, SLO, bench_serve
+from minivllm.serving.threaded import running_server
 from minivllm.text import DEMO_PROMPT, encode_or_random
 
 MODEL_NAME = "minivllm-chapter10"  # what requests name in "model"
@@ -57,31 +54,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n
                  "{% if add_generation_prompt %}# assistant:{% endif %}")
 MESSAGES = [{"role": "user", "content": "Return the sum of a list of numbers."}]
 TIMEOUT = 120.0  # seconds any one request may take
-START_TIMEOUT = 60.0  # seconds a server may take to start, or to stop
-
-
-@contextmanager
-def running_server(engine: LLMEngine, name: str = MODEL_NAME, **options: Any) -> Iterator[tuple[str, FastAPI]]:
-    """The app for `engine` served by uvicorn in a thread, on 127.0.0.1 (this machine only) and a
-    port the OS picks; yields (base url, app). Leaving the block stops uvicorn, whose shutdown
-    stops the engine thread (the app's lifespan), and waits for both."""
-    app = build_app(engine, name, **options)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(START_TIMEOUT)
-        if thread.is_alive():
-            raise RuntimeError("the server did not shut down")
 
 
 def openai_client(url: str):
@@ -261,8 +233,9 @@ def main() -> None:
     start = time.perf_counter()
 
     with ExitStack() as servers:
-        continuous_url, _ = servers.enter_context(running_server(LLMEngine(model, tokenizer=chatty, **engine)))
-        static_url, _ = servers.enter_context(running_server(LLMEngine(model, tokenizer=plain, **engine),
+        continuous_url, _ = servers.enter_context(running_server(LLMEngine(model, tokenizer=chatty, **engine),
+                                                                 MODEL_NAME))
+        static_url, _ = servers.enter_context(running_server(LLMEngine(model, tokenizer=plain, **engine), MODEL_NAME,
                                                              static_batch_size=args.static_batch_size))
         facts["urls"] = dict(continuous=continuous_url, static=static_url)
         console.print(f"[bold]servers[/] continuous at {continuous_url}/v1, static (batches of "

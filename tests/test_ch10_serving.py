@@ -13,22 +13,20 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
 from minivllm.engine.outputs import CompletionOutput, RequestOutput
 from minivllm.engine.trace import Trace
-from minivllm.serving.app import build_app
 from minivllm.serving.bench import SLO, RequestResult, bench_serve, summarize
+from minivllm.serving import threaded
 from minivllm.serving.sse import DONE, Chunks, StreamState, new_deltas, sse, stream_events
 
 pytestmark = pytest.mark.ch10
@@ -61,24 +59,9 @@ def llm(default_model, tokenizer) -> LLM:
     return LLM(default_model, tokenizer=tokenizer, **ENGINE)
 
 
-@contextmanager
-def running_server(engine: LLMEngine, **options) -> Iterator[tuple[str, object]]:
-    """uvicorn in a thread on 127.0.0.1 and a port the OS picks; yields (base url, app)."""
-    app = build_app(engine, MODEL, **options)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "the server did not shut down"
+def running_server(engine: LLMEngine, **options) -> AbstractContextManager[tuple[str, object]]:
+    """The chapter's server in a thread on 127.0.0.1 (a port the OS picks), serving model MODEL."""
+    return threaded.running_server(engine, MODEL, **options)
 
 
 @pytest.fixture(scope="module")
