@@ -65,6 +65,18 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
+def poisson_arrivals(rng: random.Random, n: int, rate: float | None) -> list[float] | None:
+    """Arrival times (s) of n requests in a Poisson process of `rate` requests/s, drawn after
+    the workload's lengths from the same generator; None (all at once) without a rate."""
+    if not rate:
+        return None
+    t, arrivals = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    return arrivals
+
+
 def make_workload(
     name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None, rate: float | None = None
 ) -> Workload:
@@ -82,13 +94,7 @@ def make_workload(
         output_lens = [rng.randint(a, b) for _ in range(n)]
     else:  # capped exponential with mean a, at least 1, at most b
         output_lens = [min(b, max(1, round(rng.expovariate(1 / a)))) for _ in range(n)]
-    arrivals = None
-    if rate:
-        t, arrivals = 0.0, []
-        for _ in range(n):
-            t += rng.expovariate(rate)
-            arrivals.append(t)
-    return Workload(name, prompts, output_lens, arrivals)
+    return Workload(name, prompts, output_lens, poisson_arrivals(rng, n, rate))
 
 
 @dataclass
@@ -302,13 +308,7 @@ def make_shared_prefix_workload(
     system = [rng.randrange(vocab_size) for _ in range(prefix_len)]
     prompts = [system + [rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
     output_lens = [rng.randint(out_lo, out_hi) for _ in range(num_requests)]
-    arrivals = None
-    if rate:
-        t, arrivals = 0.0, []
-        for _ in range(num_requests):
-            t += rng.expovariate(rate)
-            arrivals.append(t)
-    return Workload(f"shared prefix {prefix_len}", prompts, output_lens, arrivals)
+    return Workload(f"shared prefix {prefix_len}", prompts, output_lens, poisson_arrivals(rng, num_requests, rate))
 
 
 @dataclass
