@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model import MLP, Attention, Decoder, SelfAttention
+from minivllm.triton_support import import_kernels
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,26 +51,8 @@ def check_fused_ops(device: torch.device | str, dtype: torch.dtype) -> ModuleTyp
     allocates anything, so that fused_ops=True fails at once where it cannot work."""
     if dtype not in FUSED_DTYPES:
         raise ValueError(f"fused ops run in float32, bfloat16 or float16, not {dtype}")
-    device = torch.device(device)
-    try:
-        from minivllm import fused_kernels
-    except ImportError as error:
-        raise RuntimeError(
-            f"fused_ops=True needs the triton package, which could not be imported ({error}). "
-            "Install it (pip install triton; Linux x86-64) or use fused_ops=False."
-        ) from error
-    if device.type != "cuda" and not fused_kernels.INTERPRETED:
-        raise RuntimeError(
-            f"fused_ops=True compiles Triton kernels for a GPU, but the model is on {device}. To run them on "
-            "the CPU in Triton's interpreter (slow; meant for checking correctness), set TRITON_INTERPRET=1 in the "
-            "environment before Python starts; or use fused_ops=False (the default on the CPU)."
-        )
-    if fused_kernels.INTERPRETED and dtype == torch.bfloat16:
-        raise RuntimeError(
-            "Triton's interpreter (TRITON_INTERPRET=1) cannot compute in bfloat16; run the model in float32 (the "
-            "CPU default) or float16 on the CPU, or run bfloat16 on a GPU."
-        )
-    return fused_kernels
+    return import_kernels("minivllm.fused_kernels", "fused_ops=True", "fused_ops=False (the default on the CPU)",
+                          torch.device(device), dtype)
 
 
 # ------------------------------------------------------------------------------------------

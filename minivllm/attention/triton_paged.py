@@ -15,8 +15,8 @@ Which kernel runs:
 
 Triton kernels run on a GPU, or on the CPU in Triton's interpreter when TRITON_INTERPRET=1 is
 set before the kernels are imported. Anywhere else this class refuses to start (a clear
-RuntimeError) rather than quietly running something other than what was asked for; so it does
-for bfloat16 under the interpreter, whose bf16 matmuls are wrong.
+RuntimeError, minivllm/triton_support.py) rather than quietly running something other than what
+was asked for; so it does for bfloat16 under the interpreter, whose bf16 matmuls are wrong.
 """
 from __future__ import annotations
 
@@ -25,33 +25,13 @@ from types import ModuleType
 import torch
 
 from minivllm.attention.paged import KVPool, PagedBatch
+from minivllm.triton_support import import_kernels
 
 
 def load_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType:
     """The kernel module, if Triton can run kernels on `dtype` tensors on `device`; otherwise
-    a RuntimeError that says what to do."""
-    try:
-        from minivllm.attention import triton_kernels
-    except ImportError as error:
-        raise RuntimeError(
-            f"attention='triton' needs the triton package, which could not be imported ({error}). "
-            "Install it (pip install triton; Linux x86-64) or use attention='torch'."
-        ) from error
-    if device.type != "cuda" and not triton_kernels.INTERPRETED:
-        raise RuntimeError(
-            f"attention='triton' compiles its kernels for a GPU, but the KV cache is on {device}. "
-            "To run them on the CPU in Triton's interpreter (slow; meant for checking correctness), set "
-            "TRITON_INTERPRET=1 in the environment before Python starts, e.g. `TRITON_INTERPRET=1 python ...`; "
-            "or use attention='torch'."
-        )
-    if triton_kernels.INTERPRETED and dtype == torch.bfloat16:
-        # The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits
-        # (triton-lang/triton#11584; bf16 is unsupported there): wrong answers, not slow ones.
-        raise RuntimeError(
-            "Triton's interpreter (TRITON_INTERPRET=1) computes bfloat16 matmuls wrongly; run the model in "
-            "float32 (the CPU default) or float16 on the CPU, or run bfloat16 on a GPU."
-        )
-    return triton_kernels
+    a RuntimeError that says what to do (minivllm/triton_support.py)."""
+    return import_kernels("minivllm.attention.triton_kernels", "attention='triton'", "attention='torch'", device, dtype)
 
 
 class TritonPagedAttention:
