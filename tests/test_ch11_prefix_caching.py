@@ -231,3 +231,30 @@ def test_n_completions_share_their_prompt_blocks(qwen3_model):
     first = llm.trace.steps[0]
     assert sorted(first.prefill.values()) == [4, 4, 4, 20], "one child computes the prompt, three reuse it"
     assert first.cached_tokens == 3 * 16
+
+
+def test_hits_are_counted_once_per_admission_not_per_lookup(qwen3_model):
+    """The head of the queue looks its prefix up every step until it fits, giving the blocks
+    back each time; only the admission counts: the trace's and the manager's hit counts equal
+    what the requests report, and every prompt is queried once."""
+    engine = LLMEngine(qwen3_model, block_size=4, num_kv_blocks=10, max_num_batched_tokens=64)
+    engine.trace = Trace()
+    shared = random_prompts([16], seed=5)[0]
+    prompts = {"first": shared + [1], "hog": random_prompts([20], seed=6)[0], "late": shared + [2, 3]}
+    engine.add_request(prompts["first"], SamplingParams(max_tokens=1, **GREEDY), request_id="first")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(prompts["hog"], SamplingParams(max_tokens=4, **GREEDY), request_id="hog")
+    engine.step()
+    engine.add_request(prompts["late"], SamplingParams(max_tokens=2, **GREEDY), request_id="late")
+    outputs, waited = {}, 0
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        waited += bool(engine.scheduler.waiting)
+        outputs |= {out.request_id: out for out in engine.step() if out.finished}
+    assert waited >= 3, "the settings were meant to keep 'late' waiting for blocks over several steps"
+    manager = engine.block_manager
+    assert outputs["late"].num_cached_tokens == 16
+    assert manager.hit_tokens == engine.trace.num_cached_tokens == 16
+    assert manager.queried_tokens == sum(map(len, prompts.values()))

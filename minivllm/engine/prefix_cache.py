@@ -104,6 +104,7 @@ class PrefixCachingBlockManager(BlockManager):
         # The sequence behind each live table (by id of its list) and its full blocks' hashes,
         # so that grow() can register the blocks that the granted tokens fill.
         self.owners: dict[int, tuple[Sequence, list[bytes]]] = {}
+        self.pending_hits: dict[int, int] = {}  # tables looked up by reuse_prefix, not yet admitted: tokens found
 
     @property
     def hit_rate(self) -> float:
@@ -147,18 +148,25 @@ class PrefixCachingBlockManager(BlockManager):
             self.ref_counts[block] += 1
         seq.block_table.extend(blocks)
         self.owners[id(seq.block_table)] = (seq, hashes[:len(blocks)])
-        self.queried_tokens += seq.num_tokens
-        self.hit_tokens += len(blocks) * self.block_size
-        if seq.num_preemptions == 0:  # its first admission: what the request itself reports
-            seq.num_cached_tokens = len(blocks) * self.block_size
+        # Counted when the request is admitted (its first grow), not here: the head of the queue
+        # may look its prefix up, not fit, give the blocks back and look again every step.
+        self.pending_hits[id(seq.block_table)] = len(blocks) * self.block_size
         return len(blocks) * self.block_size
 
     def grow(self, table: list[int], num_tokens: int) -> None:
         """Chapter 6's grow, taking the least recently freed blocks (evicting their content),
-        then registering every block that num_tokens tokens fill."""
+        then registering every block that num_tokens tokens fill. The first grow after
+        reuse_prefix admits the request: its lookup and hits are counted then."""
         needed = self.missing_blocks(table, num_tokens)
         if needed > self.num_free:
             raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free} free")
+        hits = self.pending_hits.pop(id(table), None)
+        if hits is not None:
+            seq = self.owners[id(table)][0]
+            self.queried_tokens += seq.num_tokens
+            self.hit_tokens += hits
+            if seq.num_preemptions == 0:  # its first admission: what the request itself reports
+                seq.num_cached_tokens = hits
         for _ in range(needed):
             block = self.free.popleft()
             self._evict(block)
@@ -201,4 +209,5 @@ class PrefixCachingBlockManager(BlockManager):
                 self.free.append(block)
         # END SOLUTION
         self.owners.pop(id(table), None)
+        self.pending_hits.pop(id(table), None)  # looked up, never admitted: nothing to count
         table.clear()
