@@ -14,7 +14,10 @@ the same memory addresses. So:
    37 sequences replays the 48-row graph, with 11 padding rows whose results are dropped.
    Padding rows read and write a spare KV block that no request owns.
 3. Whatever the host sizes, it sizes for the worst case: attention's `max_context_len` is the
-   longest context the engine allows (max_model_len) and the block tables are that wide.
+   longest context the engine allows (max_model_len) and the block tables are that wide. That
+   is thousands of columns for a long-context model, so the tables stay in buffers of their
+   own, a host copy and a device copy, where row i is always at the same place: a step writes
+   only the columns its tables use, never the whole width.
 4. Nothing inside may ask the GPU a question (no `.item()`, no shape read off a tensor).
 
 Only decode-like steps (one new token per sequence) are captured: they are almost every step
@@ -115,10 +118,16 @@ class GraphRunner:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.width = -(-max_model_len // self.block_size)  # block-table width of the longest context
         self.max_context_len = self.width * self.block_size
-        device = pool.k.device
-        largest = build_step_arrays([], [], self.block_size, self.sizes[-1], self.width, self.pad_block)
-        # Room for the largest step's fields, plus its sampling rows (one per sequence at most).
-        self.static = torch.zeros(len(largest.pack()) + self.sizes[-1], dtype=torch.int64, device=device)
+        device, rows = pool.k.device, self.sizes[-1]
+        largest = build_step_arrays([], [], self.block_size, rows, pad_block=self.pad_block)
+        # Room for the largest step's fields but the tables, plus its sampling rows (one per sequence at most).
+        self.static = torch.zeros(len(largest.pack(tables=False)) + rows, dtype=torch.int64, device=device)
+        # The block tables, [rows, width]: column 0 holds the spare block until a step writes a row,
+        # so a padding row reads only the spare. Columns past a row's context may hold block ids of
+        # an earlier step: attention never reads them (PagedBatch's contract).
+        self.tables = torch.full((rows, self.width), -1, dtype=torch.int64, device=device)
+        self.tables[:, 0] = self.pad_block
+        self.host_tables = self.tables.cpu().pin_memory() if device.type == "cuda" else self.tables.clone()
         memory_pool = torch.cuda.graph_pool_handle() if graph_class is CudaGraph else None
         self.graphs: dict[int, Any] = {}
         with Progress(transient=True) as progress:
@@ -130,9 +139,10 @@ class GraphRunner:
     def _capture(self, size: int, forward: Callable[..., torch.Tensor], attention_class: type, graph_class: type,
                  memory_pool: Any) -> Any:
         """Fill the static buffer with `size` padding rows, bind the forward to its views, capture."""
-        arrays = build_step_arrays([], [], self.block_size, size, self.width, self.pad_block)
-        to_device(arrays.pack(), self.static.device, out=self.static[:len(arrays.pack())])
-        step = device_step(arrays, self.static, self.max_context_len)
+        arrays = build_step_arrays([], [], self.block_size, size, pad_block=self.pad_block)
+        packed = arrays.pack(tables=False)
+        to_device(packed, self.static.device, out=self.static[:len(packed)])
+        step = device_step(arrays, self.static, self.max_context_len, block_tables=self.tables[:size])
         attention = attention_class(self.pool, step.batch)
         return graph_class(lambda: forward(step.input_ids, step.positions, attention), memory_pool)
 
@@ -141,18 +151,25 @@ class GraphRunner:
         return len(num_new_tokens) <= self.sizes[-1] and all(n == 1 for n in num_new_tokens)
 
     def prepare(self, seqs: Seq[Sequence]) -> tuple[int, StepArrays, torch.Tensor]:
-        """Put a decode step of `seqs` (one new token each) into the static buffer, padded to
+        """Put a decode step of `seqs` (one new token each) into the static buffers, padded to
         its batch-size bucket, ready for that bucket's graph to replay.
 
         Returns (the bucket's batch size, the step's host arrays, the part of self.static that
         now holds them). Row i of the padded step is seqs[i]'s token; rows len(seqs).. are
         padding that only touches self.pad_block. Everything a captured graph reads must be
-        rewritten in place: the graph knows the buffer's address, not its contents."""
+        rewritten in place: the graph knows the buffers' addresses, not their contents. So:
+        the step's fields but the tables (arrays.pack(tables=False)) go into the front of
+        self.static; its tables, only as wide as the step's longest, into the first columns of
+        rows 0..size-1 of self.host_tables; and those rows of self.host_tables into self.tables.
+        (Rewriting self.host_tables is safe: every step ends by reading its sampled tokens,
+        which waits until the GPU, and the last copy from it, are done.)"""
         # BEGIN SOLUTION
         size = bucket_for(len(seqs), self.sizes)
-        arrays = build_step_arrays(seqs, [1] * len(seqs), self.block_size, size, self.width, self.pad_block)
-        packed = arrays.pack()
+        arrays = build_step_arrays(seqs, [1] * len(seqs), self.block_size, size, pad_block=self.pad_block)
+        packed = arrays.pack(tables=False)
         flat = to_device(packed, self.static.device, out=self.static[:len(packed)])
+        self.host_tables[:size, :arrays.block_tables.shape[1]] = torch.from_numpy(arrays.block_tables)
+        self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)
         return size, arrays, flat
         # END SOLUTION
 

@@ -65,12 +65,14 @@ class ModelRunner:
         seqs, num_new = schedule.seqs, schedule.num_new_tokens
         replay = self.graphs is not None and self.graphs.can_run(num_new)
         with record_function("prepare"):
-            if replay:  # padded to a captured batch size, in the graphs' static buffer
+            if replay:  # padded to a captured batch size, in the graphs' static buffers
                 size, arrays, flat = self.graphs.prepare(seqs)
+                sample_rows = arrays.unpack(flat, tables=False)["sample_rows"]
             else:
                 arrays = build_step_arrays(seqs, num_new, self.pool.block_size)
                 flat = to_device(arrays.pack(), self.model.device)
                 step = device_step(arrays, flat)
+                sample_rows = step.sample_rows
                 attention = self.attention_class(self.pool, step.batch)
         with record_function("forward"):
             if replay:
@@ -79,7 +81,7 @@ class ModelRunner:
                 hidden = self.forward(step.input_ids, step.positions, attention)
             # Logits only for the rows that predict a token (the lm_head is the largest matmul).
             everyone = replay and len(arrays.samplers) == len(seqs)
-            logits = self.model.lm_head(hidden if everyone else hidden[arrays.unpack(flat)["sample_rows"]])
+            logits = self.model.lm_head(hidden if everyone else hidden[sample_rows])
             prompt_logits = {}
             for i, seq in enumerate(seqs):
                 if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:

@@ -18,7 +18,8 @@ The packed layout, for T tokens from S sequences and block tables W wide:
 
 `StepArrays.unpack` cuts a device tensor in that layout into the same fields. The CUDA-graph
 runner (cuda_graphs.py) copies the packed buffer of a decode step into a fixed device buffer
-whose slices its captured graphs read.
+whose slices its captured graphs read; it keeps the block tables apart (pack(tables=False)), in a
+buffer as wide as the longest context the engine allows, where row i is always at the same place.
 """
 from __future__ import annotations
 
@@ -50,14 +51,17 @@ class StepArrays:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
-    def pack(self) -> np.ndarray:
-        """Every field end to end in one int64 buffer (see the module doc)."""
+    def pack(self, tables: bool = True) -> np.ndarray:
+        """Every field end to end in one int64 buffer (see the module doc); without the block
+        tables if not `tables`."""
+        block_tables = self.block_tables.ravel() if tables else self.block_tables[:, :0].ravel()
         return np.concatenate([self.input_ids, self.positions, self.slot_mapping, self.query_start,
-                               self.context_lens, self.block_tables.ravel(), self.sample_rows])
+                               self.context_lens, block_tables, self.sample_rows])
 
-    def unpack(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of a buffer in this step's packed layout (on any device), field by field."""
-        return unpack(flat, self.num_tokens, *self.block_tables.shape, len(self.sample_rows))
+    def unpack(self, flat: torch.Tensor, tables: bool = True) -> dict[str, torch.Tensor]:
+        """Views of a buffer in this step's packed layout, pack(tables) (on any device), field by field."""
+        S, W = self.block_tables.shape
+        return unpack(flat, self.num_tokens, S, W if tables else 0, len(self.sample_rows))
 
 
 def unpack(flat: torch.Tensor, num_tokens: int, num_seqs: int, width: int, num_samples: int) -> dict[str, torch.Tensor]:
@@ -85,17 +89,19 @@ def build_step_arrays(
     query_lens = np.fromiter(num_new_tokens, dtype=np.int64, count=S)
     past_lens = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=S)
     tables = [s.block_table for s in seqs]
-    longest = max(map(len, tables), default=0)
     rows = S if num_rows is None else num_rows
-    W = longest if width is None else width
-    if rows < S or W < longest:
-        raise ValueError(f"a step of {S} sequences with tables of {longest} blocks does not fit {rows} rows x {W} blocks")
+    if rows < S:
+        raise ValueError(f"a step of {S} sequences does not fit {rows} rows")
     if rows > S:
         if pad_block is None:
             raise ValueError("padding rows need a pad_block to read and write")
         query_lens = np.concatenate([query_lens, np.ones(rows - S, np.int64)])
         past_lens = np.concatenate([past_lens, np.zeros(rows - S, np.int64)])
         tables = tables + [[pad_block]] * (rows - S)
+    longest = max(map(len, tables), default=0)
+    W = longest if width is None else width
+    if W < longest:
+        raise ValueError(f"tables of {longest} blocks do not fit {W} columns")
 
     query_start = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start[1:])
@@ -141,13 +147,18 @@ class DeviceStep:
     sample_rows: torch.Tensor  # [R]
 
 
-def device_step(arrays: StepArrays, flat: torch.Tensor, max_context_len: int | None = None) -> DeviceStep:
-    """The step's fields as views of `flat`, a device buffer holding arrays.pack(). The host
-    keeps the per-sequence lengths (attention sizes its work from them without asking the GPU)."""
-    views = arrays.unpack(flat)
+def device_step(
+    arrays: StepArrays, flat: torch.Tensor, max_context_len: int | None = None, block_tables: torch.Tensor | None = None,
+) -> DeviceStep:
+    """The step's fields as views of `flat`, a device buffer holding arrays.pack(), or, with
+    `block_tables` (a device tensor of the step's tables, kept apart), arrays.pack(tables=False).
+    The host keeps the per-sequence lengths (attention sizes its work from them without asking
+    the GPU)."""
+    views = arrays.unpack(flat, tables=block_tables is None)
     batch = PagedBatch(
         query_lens=np.diff(arrays.query_start).tolist(), query_start=arrays.query_start.tolist(),
-        context_lens=arrays.context_lens.tolist(), block_tables=views["block_tables"],
+        context_lens=arrays.context_lens.tolist(),
+        block_tables=views["block_tables"] if block_tables is None else block_tables,
         slot_mapping=views["slot_mapping"], query_start_tensor=views["query_start"],
         context_lens_tensor=views["context_lens"], max_context_len=max_context_len,
     )
