@@ -162,7 +162,6 @@ class PagedAttention:
     def __init__(self, pool: KVPool, batch: PagedBatch):
         self.pool, self.batch = pool, batch
         if batch.is_decode:  # every row is a decode row, in order: the batch's tensors serve as they are
-            self.chunks = []
             return
         device = pool.k.device
         starts = batch.query_start  # the host copy: reading the device one back would wait for the GPU
