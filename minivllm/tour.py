@@ -16,7 +16,7 @@ from rich.progress import Progress
 from minivllm import plots
 from minivllm.bench import (StageResult, Workload, console, environment, format_bytes, format_tokens_per_second,
                             make_workload, run_stage, save_results)
-from minivllm.loader import CONFIGS, load_model
+from minivllm.loader import CONFIGS, default_device, load_model
 from minivllm.model import Decoder
 from minivllm.peers import (continuous_batching_unavailable, hf_generate_batch, hf_static_generate, to_transformers,
                             token_positions)
@@ -94,7 +94,7 @@ def run_tour(
     """Run the ladder; returns the JSON payload (also written to benchmarks/results/). On a GPU
     the model defaults to the Qwen3-0.6B shape and the workload to "ladder_gpu"."""
     started = time.perf_counter()
-    on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    on_gpu = (device or default_device()) == "cuda"
     if on_gpu and source is None:
         source = CONFIGS / GPU_DEFAULT_MODEL  # the embedded 4M model would measure only launch overhead
     workload = workload or (GPU_DEFAULT_WORKLOAD if on_gpu else "classroom")
