@@ -211,10 +211,9 @@ def n_completions(model, n: int = 4, prompt_len: int = 120) -> dict:
 def headline(model, args) -> dict:
     """The shared-prefix workload, caching on vs off, repeats interleaved."""
     suffix = (-(-args.prefix // 9), args.prefix)  # the shared part is 50-90 % of each prompt
-    work = make_shared_prefix_workload(model.config.vocab_size, args.prefix, args.requests, suffix, OUTPUT, args.seed)
-    arrivals = make_shared_prefix_workload(model.config.vocab_size, args.prefix, args.requests, suffix, OUTPUT,
-                                           args.seed, rate=args.rate)
-    assert arrivals.prompts == work.prompts and arrivals.output_lens == work.output_lens
+    # One workload for both: all at once ignores the arrival times, the online runs follow them.
+    work = make_shared_prefix_workload(model.config.vocab_size, args.prefix, args.requests, suffix, OUTPUT, args.seed,
+                                       rate=args.rate)
     console.print(f"[bold]workload[/] {work.describe()}; all at once, and Poisson arrivals at {args.rate} req/s")
     for caching in SETTINGS.values():  # warm-up
         run_at_once(model, work.subset(min(4, len(work.prompts))), caching)
@@ -223,7 +222,7 @@ def headline(model, args) -> dict:
         for _, name, caching in interleaved(args.repeats):
             runs[name]["at_once"].append(run_at_once(model, work, caching))
         for _, name, caching in interleaved(args.repeats):
-            runs[name]["arrivals"].append(run_arrivals(model, arrivals, caching))
+            runs[name]["arrivals"].append(run_arrivals(model, work, caching))
     gains = {mode: speedups(runs["caching off"][mode], runs["caching on"][mode]) for mode in ("at_once", "arrivals")}
     counts = {name: {k: v for k, v in runs[name]["at_once"][0].items()
                      if k not in ("seconds", "tokens_per_second", "ttft_p50", "ttft_p90")} for name in SETTINGS}
