@@ -194,7 +194,8 @@ class AsyncEngine:
             if command is None:
                 return False
             command()
-        self._update_stats()
+        if commands:  # after a step, _run has just updated them
+            self._update_stats()
         return True
 
     def _accept(self, request: _Request) -> None:
