@@ -96,11 +96,11 @@ class LLM:
                              f"got {type(messages).__name__}")
         for c, conversation in enumerate(conversations):
             check_conversation(c, conversation)
-        texts = [tokenizer.apply_chat_template(list(conversation), chat_template=chat_template, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
-                 for conversation in conversations]
-        # The rendered text already holds the template's special tokens: add none when encoding.
-        prompts = [{"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)} for text in texts]
+        texts, prompts = [], []
+        for conversation in conversations:
+            text, token_ids = render_chat(tokenizer, conversation, chat_template, add_generation_prompt)
+            texts.append(text)
+            prompts.append({"prompt_token_ids": token_ids})
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         for out, text in zip(outputs, texts):
             out.prompt = text
@@ -132,6 +132,16 @@ def is_single_prompt(prompts: Any) -> bool:
     if isinstance(prompts, str | dict):
         return True
     return isinstance(prompts, list | tuple) and bool(prompts) and isinstance(prompts[0], numbers.Integral)
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], chat_template: str | None = None,
+                add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """The messages rendered by the tokenizer's chat template (or `chat_template`), and the token
+    ids of that text. The template writes the special tokens itself, so encoding adds none (a
+    BOS twice would change the prompt). Used by LLM.chat and the server's chat endpoint."""
+    text = tokenizer.apply_chat_template(list(messages), chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def check_conversation(c: int, conversation: Any) -> None:

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from minivllm.bench import environment
+from minivllm.engine.llm import render_chat
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampler import SamplingParams
 from minivllm.serving.async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream
@@ -164,16 +165,14 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]], model_name: str) -> list[int]:
     """The token ids of the messages rendered by the checkpoint's chat template, ending where
-    the assistant's answer starts. The template writes the special tokens itself, so the
-    tokenizer must not add any (a BOS twice would change the prompt)."""
+    the assistant's answer starts (render_chat)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, f"the model `{model_name}` has no chat template, so it cannot chat: use "
                             "/v1/completions, or start the server with --chat-template FILE")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return render_chat(tokenizer, messages)[1]
     except Exception as err:  # templates refuse what they cannot render (say, two user turns in a row)
         raise APIError(400, f"the chat template could not render these messages: {err}", param="messages")
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
