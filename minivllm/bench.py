@@ -208,12 +208,14 @@ def chapter_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype and --seed: what every script and `minivllm tour` run on."""
+def add_model_arguments(parser: argparse.ArgumentParser, seed: bool = True) -> None:
+    """--model, --device, --dtype and (with `seed`) --seed: what every script, `minivllm tour`
+    and `minivllm serve` run on."""
     parser.add_argument("--model", default=None, help="checkpoint folder, hub id or config.json (default: the embedded model)")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU, bf16 on CUDA")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    if seed:
+        parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
 
 
 def dtype_argument(args: argparse.Namespace) -> torch.dtype | None:

@@ -77,9 +77,7 @@ def _numbers(kind: type) -> Callable[[str], list]:
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chapter 10)")
-    serve.add_argument("--model", default=None, help="checkpoint folder, hub id or config.json (default: the embedded model)")
-    serve.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
-    serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU, bf16 on CUDA")
+    add_model_arguments(serve, seed=False)
     serve.add_argument("--served-model-name", default=None, help="the name requests use (default: --model)")
     serve.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default) serves this machine only")
     serve.add_argument("--port", type=int, default=8000)
