@@ -497,3 +497,19 @@ def test_serve_flags_reach_the_engine(tiny_checkpoint):
     assert not isinstance(engine.block_manager, PrefixCachingBlockManager)
     engine = LLMEngine(str(tiny_checkpoint), **options("--device", "cpu"))
     assert isinstance(engine.block_manager, PrefixCachingBlockManager)
+
+
+def test_streamed_completion_logprobs_equal_the_whole_answers(http):
+    """Chunk by chunk, the legacy logprobs (tokens, their logprobs and text offsets) add up to
+    those of the same request answered whole."""
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                logprobs = json.loads(line.removeprefix("data: "))["choices"][0]["logprobs"]
+                for key in streamed:
+                    streamed[key] += logprobs[key] if logprobs else []
+    assert len(whole["tokens"]) == 12
+    assert {key: whole[key] for key in streamed} == streamed

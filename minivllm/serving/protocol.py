@@ -150,11 +150,13 @@ def token_text(token_id: int, logprob: Logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
 
-def completion_logprobs(c: CompletionOutput, first: int, count: int, top: int) -> dict[str, Any]:
+def completion_logprobs(c: CompletionOutput, first: int, count: int, top: int, offset: int | None = None) -> dict[str, Any]:
     """Tokens first .. first+count-1 of a completion in the legacy completions format:
-    parallel lists of tokens, their logprobs, their top alternatives and character offsets."""
+    parallel lists of tokens, their logprobs, their top alternatives and character offsets.
+    offset: the text offset of token `first` (a stream keeps it; None: counted from the start)."""
     entries, ids = c.logprobs[first:first + count], c.token_ids[first:first + count]
-    offset = sum(len(token_text(t, e[t])) for t, e in zip(c.token_ids[:first], c.logprobs[:first]))
+    if offset is None:
+        offset = sum(len(token_text(t, e[t])) for t, e in zip(c.token_ids[:first], c.logprobs[:first]))
     body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entry in zip(ids, entries):
         text = token_text(token_id, entry[token_id])

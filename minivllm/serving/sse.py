@@ -102,6 +102,9 @@ class Chunks:
     model: str
     chat: bool
     top_logprobs: int | None = None  # alternatives per token; None: the request asked for no logprobs
+    # Per completion, the text offset of its next token's logprobs: counting them again from the
+    # first token at every chunk would make a stream's cost grow with the square of its length.
+    text_offsets: dict[int, int] = field(default_factory=dict)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -119,8 +122,13 @@ class Chunks:
         logprobs = None
         if self.top_logprobs is not None:
             completion = next(c for c in output.outputs if c.index == delta.index)
-            render = chat_logprobs if self.chat else completion_logprobs
-            logprobs = render(completion, delta.first_token, len(delta.token_ids), self.top_logprobs)
+            if self.chat:
+                logprobs = chat_logprobs(completion, delta.first_token, len(delta.token_ids), self.top_logprobs)
+            else:
+                offset = self.text_offsets.get(delta.index, 0)
+                logprobs = completion_logprobs(completion, delta.first_token, len(delta.token_ids), self.top_logprobs,
+                                               offset)
+                self.text_offsets[delta.index] = offset + sum(map(len, logprobs["tokens"]))
         if self.chat:
             choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {}}
         else:
