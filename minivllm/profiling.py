@@ -45,7 +45,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from minivllm import plots
 from minivllm.bench import add_model_arguments, console, device_name, environment, load_for_chapter, save_results
 from minivllm.engine.llm import LLM
-from minivllm.engine.llm_engine import STEP_PHASES, LLMEngine
+from minivllm.engine.llm_engine import STEP_PHASES, LLMEngine, check_setting
 from minivllm.engine.sampler import SamplingParams
 from minivllm.engine.sequence import Sequence
 from minivllm.model import Decoder
@@ -202,8 +202,7 @@ def profile_steps(
     as a profiler range ("layer N"), which costs the host a few microseconds per layer."""
     for name, value, minimum in (("batch_size", batch_size, 1), ("context", context, 10), ("steps", steps, 1),
                                  ("warmup", warmup, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        check_setting(name, value, minimum)
     if isinstance(engine, (LLM, LLMEngine)):
         if engine_options:
             raise ValueError(f"engine options {sorted(engine_options)} apply only when profile_steps builds the "
