@@ -5,8 +5,8 @@ A language model is a compressor: with arithmetic coding, a text costs
 *bits per byte*, a number that does not depend on the tokenizer and can be set
 beside general-purpose compressors run on the very same bytes.
 
-    python -m minivllm.bits_per_byte                       # the shipped model
-    python -m minivllm.bits_per_byte --max-bytes 20000 --json bpb.json
+    python tools/bits_per_byte.py                       # the shipped model
+    python tools/bits_per_byte.py --max-bytes 20000 --json bpb.json
 
 The text is a seeded sample of .py files from third-party packages that are
 installed with minivllm (the default model saw only the standard library).
@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+from minivllm.loader import DEFAULT_MODEL
+
 DEFAULT_PACKAGES = ("rich", "transformers", "matplotlib")
 SKIP_DIRS = {"test", "tests"}
 PER_FILE = 8192  # bytes taken from the start of each file: more files, more variety per KB

@@ -5,7 +5,7 @@ so every chapter can show sensible text without downloading anything. This
 script makes one from data every Python install already has: the source code
 of the standard library.
 
-    python -m minivllm.train_default_model --out minivllm/default_model --minutes 50
+    python tools/train_default_model.py --out minivllm/default_model --minutes 50
 
 Steps: collect the corpus, train a byte-level BPE tokenizer, build a small
 Qwen3-architecture model, train it with a plain PyTorch loop, save a Hugging
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     final_held = held_out_loss(model, held_windows, args.batch)  # in float32, as the model is shipped
 
     log = {
-        "command": " ".join(["python -m minivllm.train_default_model", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python tools/train_default_model.py", *(argv if argv is not None else sys.argv[1:])]),
         "seed": args.seed,
         "steps": steps,
         "tokens_seen": steps * args.batch * args.context,
