@@ -14,7 +14,9 @@ import torch
 
 from minivllm import load_tokenizer, plots
 from minivllm.attention.masks import causal_mask
-from minivllm.bench import chapter_parser, console, environment, load_for_chapter, save_results, time_stream
+from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.bench.timing import time_stream
+from minivllm.machine import environment
 from minivllm.plots.lines import plot_series
 from minivllm.plots.masks import plot_mask
 from minivllm.stages import naive

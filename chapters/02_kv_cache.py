@@ -15,13 +15,15 @@ import torch
 
 import minivllm
 from minivllm import load_tokenizer, plots
-from minivllm.bench import (chapter_parser, console, environment, kv_size_table, load_for_chapter, save_results,
-                            time_stream)
+from minivllm.bench.harness import chapter_parser, console, kv_size_table, load_for_chapter, save_results
+from minivllm.bench.timing import time_stream
 from minivllm.loader import read_config
+from minivllm.machine import environment
 from minivllm.plots.lines import plot_series
 from minivllm.plots.masks import decode_attention_picture
 from minivllm.stages import kv_cache, naive
 from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
+
 
 def main() -> None:
     parser = chapter_parser(__doc__.splitlines()[1])

@@ -9,13 +9,14 @@ a table and benchmarks/results/03_static_batching.json.
 """
 from __future__ import annotations
 
-
 import torch
 from rich.progress import track
 
 from minivllm import load_tokenizer, plots
-from minivllm.bench import (chapter_parser, console, environment, load_for_chapter, make_workload, results_table,
-                            run_stage, save_results)
+from minivllm.attention.masks import padded_causal_mask
+from minivllm.bench.harness import chapter_parser, console, load_for_chapter, results_table, run_stage, save_results
+from minivllm.bench.workloads import make_workload
+from minivllm.machine import environment
 from minivllm.plots.batching import plot_padded_mask, plot_waste_vs_batch_size
 from minivllm.stages import kv_cache, static_batch
 from minivllm.text import demo_prompts, show_sample
@@ -37,7 +38,7 @@ def main() -> None:
         show_sample(tokenizer, prompt, out, title=f"row {i} of one padded batch ({len(prompt)} prompt tokens)")
     console.print("same tokens as one at a time (chapter 2):", batched == kv_cache.generate(model, prompts, 24))
 
-    console.print(f"saved {plots.save(plot_padded_mask(MASK_LENGTHS), '03_padded_mask')}")
+    console.print(f"saved {plots.save(plot_padded_mask(padded_causal_mask(MASK_LENGTHS), MASK_LENGTHS), '03_padded_mask')}")
 
     workload = make_workload("classroom", model.config.vocab_size, args.seed, args.requests)
     console.print(workload.describe())

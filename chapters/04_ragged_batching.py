@@ -10,13 +10,15 @@ benchmarks/results/04_ragged_batching.json.
 """
 from __future__ import annotations
 
-
 import torch
 from rich.progress import track
 
 from minivllm import load_tokenizer, plots
-from minivllm.bench import (chapter_parser, console, environment, format_bytes, load_for_chapter, make_workload,
-                            results_table, run_stage, save_results)
+from minivllm.attention.masks import block_diagonal_mask, padded_causal_mask
+from minivllm.bench.harness import (chapter_parser, console, format_bytes, load_for_chapter, results_table, run_stage,
+                                    save_results)
+from minivllm.bench.workloads import make_workload
+from minivllm.machine import environment
 from minivllm.plots.batching import plot_padded_vs_ragged, plot_ragged_vs_static
 from minivllm.stages import kv_cache, ragged_batch, static_batch
 from minivllm.text import demo_prompts, show_sample
@@ -51,7 +53,8 @@ def main() -> None:
     console.print("same tokens as the padded batch (chapter 3):",
                   ragged == static_batch.generate(model, prompts, 24, batch_size=len(prompts)))
 
-    console.print(f"saved {plots.save(plot_padded_vs_ragged(MASK_LENGTHS), '04_block_diagonal_mask')}")
+    masks = padded_causal_mask(MASK_LENGTHS), block_diagonal_mask(MASK_LENGTHS)
+    console.print(f"saved {plots.save(plot_padded_vs_ragged(*masks, MASK_LENGTHS), '04_block_diagonal_mask')}")
 
     workload = make_workload("classroom", model.config.vocab_size, args.seed, args.requests)
     console.print(workload.describe())

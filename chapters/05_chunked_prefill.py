@@ -18,8 +18,11 @@ from rich.progress import track
 from rich.table import Table
 
 from minivllm import load_tokenizer, plots
-from minivllm.bench import (StageResult, Workload, chapter_parser, console, environment, load_for_chapter,
-                            make_workload, results_table, save_results, synchronize, useful_tokens)
+from minivllm.attention.masks import chunk_mask
+from minivllm.bench.harness import (StageResult, chapter_parser, console, load_for_chapter, results_table,
+                                    save_results, useful_tokens)
+from minivllm.bench.workloads import Workload, make_workload
+from minivllm.machine import environment, synchronize
 from minivllm.model import Decoder
 from minivllm.plots.batching import plot_chunk_masks, plot_chunk_sweep
 from minivllm.stages import chunked_prefill, kv_cache, ragged_batch
@@ -89,7 +92,7 @@ def main() -> None:
     console.print("same tokens as chapter 2's whole-prompt prefill:",
                   chunked == kv_cache.generate(model, [prompt], 24)[0])
 
-    console.print(f"saved {plots.save(plot_chunk_masks(10, 4), '05_chunk_mask')}")
+    console.print(f"saved {plots.save(plot_chunk_masks([chunk_mask(min(4, 10 - past), past) for past in range(0, 10, 4)]), '05_chunk_mask')}")
     print_small_run(model, chunk_size=4, budget=6)
 
     workload = make_workload("long_prompt", model.config.vocab_size, args.seed, args.requests)

@@ -17,9 +17,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 from minivllm import load_tokenizer, plots
-from minivllm.bench import (chapter_parser, console, environment, format_bytes, load_for_chapter, make_workload,
-                            save_results, synchronize)
-from minivllm.kv_memory import compare
+from minivllm.bench.harness import chapter_parser, console, format_bytes, load_for_chapter, save_results
+from minivllm.bench.kv_memory import compare
+from minivllm.bench.workloads import make_workload
+from minivllm.machine import environment, synchronize
 from minivllm.plots.paging import plot_block_tables, plot_kv_utilisation
 from minivllm.stages import kv_cache, paged
 from minivllm.stages.common import StageStats

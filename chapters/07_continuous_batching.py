@@ -16,9 +16,11 @@ import torch
 from rich.table import Table
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer, plots
-from minivllm.bench import chapter_parser, console, environment, load_for_chapter, make_workload, save_results
+from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.bench.online import latency_summary, serve_continuous, serve_static
+from minivllm.bench.workloads import make_workload
 from minivllm.engine.trace import PREEMPTED, TIMELINE_LABELS, Trace
-from minivllm.online import latency_summary, serve_continuous, serve_static
+from minivllm.machine import environment
 from minivllm.plots.scheduling import plot_latency_vs_rate, plot_step_composition, plot_timeline
 from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
 

@@ -14,7 +14,7 @@ On a GPU (python chapters/09_cuda_graphs.py --device cuda --model minivllm/confi
 - checks that every setting gives the eager engine's tokens.
 On a CPU there are no CUDA graphs and the fused kernels are GPU kernels: only the eager setting
 runs, and the profile shows a CPU step (no device lane). JSON: benchmarks/results/09_cuda_graphs_<device>.json.
-The roofline of a whole workload is benchmarks/roofline.py's.
+The roofline of a whole workload is benchmarks/engine_roofline.py's.
 """
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ from rich.table import Table
 
 from minivllm import LLM, SamplingParams, load_tokenizer, plots
 from minivllm.attention.paged import PagedBatch
-from minivllm.bench import (chapter_parser, console, device_name, environment, load_for_chapter, save_results,
-                            synchronize)
+from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.bench.profiling import VARIANTS, profile_variants, variants_for
 from minivllm.engine.cuda_graphs import bucket_for, graph_batch_sizes
 from minivllm.engine.prepare import build_step_arrays, device_step, to_device
 from minivllm.engine.sequence import Sequence
+from minivllm.machine import device_name, environment, synchronize
 from minivllm.plots.lines import plot_series
 from minivllm.plots.profile import plot_step_breakdown, plot_step_timeline
-from minivllm.profiling import VARIANTS, profile_variants, variants_for
 from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
 
 

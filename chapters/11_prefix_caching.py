@@ -35,10 +35,11 @@ import torch
 from rich.table import Table
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer, plots
-from minivllm.bench import (Workload, chapter_parser, console, device_name, environment, load_for_chapter,
-                            make_multi_turn_workload, make_shared_prefix_workload, save_results, synchronize)
+from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.bench.online import latency_summary, serve_continuous
+from minivllm.bench.workloads import Workload, make_multi_turn_workload, make_shared_prefix_workload
 from minivllm.engine.trace import Trace
-from minivllm.online import latency_summary, serve_continuous
+from minivllm.machine import device_name, environment, synchronize
 from minivllm.plots.prefix import plot_multi_turn, plot_prefix_sweep, plot_shared_blocks
 from minivllm.text import DEMO_PROMPTS, random_prompts, show_sample
 

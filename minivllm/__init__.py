@@ -1,14 +1,15 @@
 """minivllm: a vLLM-style LLM inference engine, built one idea per chapter."""
 from minivllm.config import ModelConfig
+from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm import LLM
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.outputs import CompletionOutput, RequestOutput
-from minivllm.engine.sampler import SamplingParams
+from minivllm.engine.sampling_params import SamplingParams
 from minivllm.loader import CONFIGS, DEFAULT_MODEL, load_model, load_tokenizer
 from minivllm.model import Decoder
 
 __all__ = [
-    "CONFIGS", "DEFAULT_MODEL", "CompletionOutput", "Decoder", "LLM", "LLMEngine", "ModelConfig", "RequestOutput",
+    "CONFIGS", "DEFAULT_MODEL", "CompletionOutput", "Decoder", "EngineConfig", "LLM", "LLMEngine", "ModelConfig", "RequestOutput",
     "SamplingParams", "load_model", "load_tokenizer",
 ]
 __version__ = "0.1.0"

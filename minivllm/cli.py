@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from minivllm.bench import WORKLOADS, add_model_arguments, dtype_argument
+from minivllm.bench.harness import add_model_arguments, dtype_argument, show_engine_log
+from minivllm.bench.workloads import WORKLOADS
 
 
 def _tour(args: argparse.Namespace) -> None:
-    from minivllm.tour import markdown_table, run_tour
+    from minivllm.bench.tour import markdown_table, run_tour
 
     payload = run_tour(args.model, device=args.device, dtype=dtype_argument(args),
                        workload=args.workload, stages=args.stages.split(",") if args.stages else None,
@@ -34,8 +35,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from minivllm.bench import device_name
     from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.machine import device_name
     from minivllm.serving.app import build_app
 
     if args.threads is not None:
@@ -57,7 +58,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> None:
-    from minivllm.serving.bench import SLO, bench_serve
+    from minivllm.bench.load import SLO, bench_serve
 
     bench_serve(args.url.split(","), concurrency=args.concurrency, rates=args.rate, workload=args.workload,
                 requests=args.requests, seed=args.seed, slo=SLO(args.slo_ttft_ms / 1e3, args.slo_tokens_per_second),
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     torch.set_grad_enabled(False)
+    show_engine_log()
     args.run(args)
 
 

@@ -112,7 +112,7 @@ EXERCISES: list[Exercise] = [
              "the smallest captured batch size that holds a step's sequences"),
     Exercise("ch09", "minivllm.engine.cuda_graphs", "GraphRunner.prepare", "Exercise 9.2: preparing a replay",
              "pad a decode step to its bucket and copy it into the static buffer a captured graph reads"),
-    Exercise("ch09", "minivllm.fused", "rope_cos_sin_table", "Exercise 9.3: the RoPE cos/sin table",
+    Exercise("ch09", "minivllm.fused.forward", "rope_cos_sin_table", "Exercise 9.3: the RoPE cos/sin table",
              "the [max_positions, D] table whose row p is [cos(p * inv_freq), sin(p * inv_freq)] in dtype"),
     Exercise("ch10", "minivllm.serving.sse", "new_deltas", "Exercise 10.1: engine outputs as stream deltas",
              "the text and tokens of each completion that the client has not been sent yet"),

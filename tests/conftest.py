@@ -7,10 +7,10 @@ import re
 
 import pytest
 import torch
+from tiny_models import CONFIGS, hf_greedy, tiny_hf_model
 
 import minivllm
 from minivllm.exercises import prerequisite_note
-from tiny_models import CONFIGS, hf_greedy, tiny_hf_model
 
 torch.set_num_threads(1)  # tiny models gain nothing from a second thread; a shared machine loses a lot
 
@@ -46,7 +46,7 @@ def engine_as_of_its_chapter(request, monkeypatch):
     for enable_prefix_caching=True still gets it."""
     chapters = [m.name for m in request.node.iter_markers() if re.fullmatch(r"ch\d\d", m.name)]
     if chapters and max(chapters) < "ch11":
-        monkeypatch.setattr("minivllm.engine.llm_engine.PREFIX_CACHING_DEFAULT", False)
+        monkeypatch.setattr("minivllm.engine.config.PREFIX_CACHING_DEFAULT", False)
 
 
 @pytest.fixture(scope="session", params=sorted(CONFIGS))

@@ -7,7 +7,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from minivllm.peers import continuous_batching_unavailable
+from minivllm.bench.peers import continuous_batching_unavailable
 
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "continuous_vs_transformers.py"
 

@@ -8,12 +8,12 @@ import random
 import time
 
 import pytest
+from tiny_models import raises_runtime_error, random_prompts
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_model
 from minivllm.engine.trace import Trace
 from minivllm.stages import STAGES
 from minivllm.stages.common import StageStats
-from tiny_models import raises_runtime_error, random_prompts
 
 pytestmark = pytest.mark.ch07
 
@@ -234,8 +234,8 @@ def test_abort_frees_blocks_and_spares_the_others(qwen3, reference):
 
 
 def test_online_simulation_continuous_vs_static(qwen3):
-    from minivllm.bench import Workload
-    from minivllm.online import latency_summary, serve_continuous, serve_static
+    from minivllm.bench.online import latency_summary, serve_continuous, serve_static
+    from minivllm.bench.workloads import Workload
 
     work = Workload("four at once", PROMPTS[:4], [6, 2, 5, 3], arrivals=[0.0] * 4)
     engine = LLMEngine(qwen3[0], max_num_seqs=4)

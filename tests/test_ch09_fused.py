@@ -10,6 +10,7 @@ transformers' greedy tokens. bf16 is left to the GPU (the interpreter cannot com
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined: import them lazily, below
@@ -17,6 +18,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined: impor
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from tiny_models import random_prompts  # noqa: E402
 from torch import nn  # noqa: E402
 
 from minivllm.attention.dense import attend  # noqa: E402
@@ -24,7 +26,6 @@ from minivllm.attention.masks import causal_mask  # noqa: E402
 from minivllm.config import ModelConfig  # noqa: E402
 from minivllm.fused import check_fused_ops, fused_forward, merge_projections, rope_cos_sin_table  # noqa: E402
 from minivllm.model import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq  # noqa: E402
-from tiny_models import random_prompts  # noqa: E402
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.ch09
@@ -35,10 +36,10 @@ HALF = dict(atol=2e-3, rtol=2e-3)  # fp16: a last-bit difference in rsqrt or exp
 
 @pytest.fixture(scope="module")
 def kernels():
-    from minivllm import fused_kernels
+    from minivllm.fused import kernels as fused_kernels
 
     if not fused_kernels.INTERPRETED:
-        pytest.fail("minivllm.fused_kernels was imported before TRITON_INTERPRET=1 was set")
+        pytest.fail("minivllm.fused.kernels was imported before TRITON_INTERPRET=1 was set")
     return fused_kernels
 
 
@@ -282,9 +283,7 @@ def test_replayed_decode_steps_with_fused_ops_and_triton_attention(kernels, qwen
 
     llm = LLM(qwen3_model, attention="triton", fused_ops=True, block_size=4, num_kv_blocks=40, max_num_seqs=4)
     engine = llm.engine
-    engine.runner = ModelRunner(engine.model, engine.block_manager.num_blocks, engine.block_manager.block_size,
-                                attention="triton", fused_ops=True, cuda_graphs=True, max_num_seqs=4,
-                                max_model_len=engine.max_model_len, graph_class=EagerGraph)
+    engine.runner = ModelRunner(engine.model, dataclasses.replace(engine.config, cuda_graphs=True), graph_class=EagerGraph)
     replayed, replay = [], engine.runner.graphs.replay
     engine.runner.graphs.replay = lambda size, num_seqs: replayed.append(num_seqs) or replay(size, num_seqs)
     prompts, lengths = random_prompts([6, 2, 9], seed=11), [5, 3, 4]  # 3 sequences: the 4-row bucket pads one

@@ -8,18 +8,19 @@ read back. On a GPU the same tests run with real capture (`CudaGraph`).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
 import pytest
 import torch
+from tiny_models import random_prompts
 
 from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.engine.cuda_graphs import CudaGraph, EagerGraph, bucket_for, graph_batch_sizes
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.prepare import build_step_arrays
 from minivllm.engine.sequence import Sequence
-from tiny_models import random_prompts
 
 pytestmark = pytest.mark.ch09
 
@@ -101,9 +102,8 @@ def with_graphs(llm: LLM, **options) -> LLM:
     """Swap the engine's runner for one that replays decode steps from (stand-in) graphs."""
     engine = llm.engine
     runner = engine.runner
-    engine.runner = ModelRunner(engine.model, engine.block_manager.num_blocks, engine.block_manager.block_size,
-                                cuda_graphs=True, max_num_seqs=engine.scheduler.max_num_seqs,
-                                max_model_len=engine.max_model_len, graph_class=GRAPH_CLASS, **options)
+    config = dataclasses.replace(engine.config, cuda_graphs=True, **options)
+    engine.runner = ModelRunner(engine.model, config, graph_class=GRAPH_CLASS)
     assert runner.pool.k.shape == engine.runner.pool.k.shape
     return llm
 

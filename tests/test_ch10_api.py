@@ -14,14 +14,16 @@ from collections import Counter
 
 import pytest
 import torch
+from tiny_models import random_prompts
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 import minivllm
 from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from minivllm.engine.sampler import RequestOutputKind, Sampler, apply_min_p, apply_penalties
+from minivllm.engine.penalties import apply_penalties
+from minivllm.engine.sampler import Sampler, apply_min_p
+from minivllm.engine.sampling_params import RequestOutputKind
 from minivllm.engine.sequence import Sequence
-from tiny_models import random_prompts
 
 pytestmark = pytest.mark.ch10
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from minivllm.bench import make_workload
+from minivllm.bench.workloads import make_workload
 from minivllm.text import DEMO_PROMPT, encode_or_random
 
 pytestmark = pytest.mark.ch10

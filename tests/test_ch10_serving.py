@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
+from minivllm.bench.load import SLO, RequestResult, bench_serve, summarize
 from minivllm.engine.outputs import CompletionOutput, RequestOutput
 from minivllm.engine.trace import Trace
-from minivllm.serving.bench import SLO, RequestResult, bench_serve, summarize
 from minivllm.serving import threaded
 from minivllm.serving.sse import DONE, Chunks, StreamState, new_deltas, sse, stream_events
 

@@ -14,6 +14,7 @@ from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_rgba
 
 import minivllm
+from minivllm.attention.masks import block_diagonal_mask, padded_causal_mask
 from minivllm.engine.trace import DECODE, PREEMPTED, PREFILL, TIMELINE_LABELS, WAITING
 from minivllm.plots.batching import plot_padded_vs_ragged
 from minivllm.plots.scheduling import plot_step_composition, plot_timeline
@@ -38,7 +39,7 @@ def drawn_cells(ax) -> int:
 def test_padded_panel_draws_one_matrix_per_row_and_counts_its_cells():
     lengths = [5, 2, 7]
     B, L, T = len(lengths), max(lengths), sum(lengths)
-    fig = plot_padded_vs_ragged(lengths)
+    fig = plot_padded_vs_ragged(padded_causal_mask(lengths), block_diagonal_mask(lengths), lengths)
     padded, ragged = fig.axes[:2]
     assert drawn_cells(padded) == B * L * L, "the padded panel should draw B squares of L x L scores, nothing between"
     assert f"{B * L * L} scores" in padded.get_title()

@@ -8,18 +8,21 @@ a round trip through JSON, which is how chapter 9 stores and replots it.
 from __future__ import annotations
 
 import json
+import runpy
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from minivllm import LLMEngine, ModelConfig, SamplingParams, profiling
+from minivllm import LLMEngine, ModelConfig, SamplingParams
+from minivllm.bench.profiling import VARIANTS, StepProfile, profile_steps
 from minivllm.engine.llm_engine import STEP_PHASES
 from minivllm.model import Decoder
 from minivllm.plots.profile import plot_step_breakdown, plot_step_timeline
-from minivllm.profiling import VARIANTS, StepProfile, profile_steps
 
 pytestmark = pytest.mark.ch09
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "step_profile.py"
 
 SMALL = dict(batch_size=3, context=20, steps=2, warmup=1)
 
@@ -110,11 +113,11 @@ def test_bad_arguments_are_refused(qwen3_model):
         profile_steps(engine)
 
 
-def test_the_module_writes_its_figure_and_json(tiny_checkpoint, tmp_path, monkeypatch):
+def test_the_script_writes_its_figure_and_json(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["profiling", "--model", str(tiny_checkpoint), "--device", "cpu",
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--model", str(tiny_checkpoint), "--device", "cpu",
                                       "--batch-size", "2", "--context", "16", "--steps", "2"])
-    profiling.main()
+    runpy.run_path(str(SCRIPT), run_name="__main__")
     payload = json.loads((tmp_path / "benchmarks/results/09_step_profile_cpu.json").read_text())
     assert [p["variant"] for p in payload["profiles"]] == ["eager"]
     assert (tmp_path / "figures/09_step_timeline.png").stat().st_size > 10_000

@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from minivllm import ModelConfig
-from minivllm.bench import make_workload
+from minivllm.bench.peers import continuous_batching_unavailable
+from minivllm.bench.roofline import decode_floor
+from minivllm.bench.timing import copy_bandwidth
+from minivllm.bench.workloads import make_workload
 from minivllm.loader import CONFIGS, read_config
 from minivllm.model import Decoder
-from minivllm.peers import continuous_batching_unavailable
-from minivllm.roofline import copy_bandwidth, decode_floor
 
 pytestmark = pytest.mark.ch09
 
-BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "roofline.py"
+BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "engine_roofline.py"
 
 
 def toy_config(tied: bool) -> ModelConfig:

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from minivllm.bench import StageResult
+from minivllm.bench.harness import StageResult
+from minivllm.bench.peers import continuous_batching_unavailable
+from minivllm.bench.tour import agreement
 from minivllm.cli import main
-from minivllm.peers import continuous_batching_unavailable
-from minivllm.tour import agreement
 
 
 def test_tour_writes_json_and_figure(tiny_checkpoint, tmp_path, monkeypatch):
@@ -48,7 +48,7 @@ def test_unknown_stage_is_refused(tiny_checkpoint):
 
 
 def test_large_workloads_sample_the_one_group_at_a_time_stages(tiny_checkpoint, tmp_path, monkeypatch):
-    import minivllm.tour as tour
+    import minivllm.bench.tour as tour
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tour, "LARGE_WORKLOAD_TOKENS", 0)  # treat the tiny workload as large

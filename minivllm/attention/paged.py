@@ -18,17 +18,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from minivllm.attention.dense import attend
 from minivllm.attention.masks import chunk_mask
-from minivllm.model import Decoder
+
+if TYPE_CHECKING:  # a type hint only: attention sits below the model that calls it
+    from minivllm.model import Decoder
 
 
 class KVPool:
-    """The physical KV memory: `num_blocks` blocks of `block_size` token slots, per layer."""
+    """The physical KV memory: `num_blocks` blocks of `block_size` token slots, per layer, for
+    `model` (read for its config's layers, KV heads and head_dim, its device and its dtype)."""
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int):
         cfg = model.config

@@ -1,1 +1,18 @@
-"""The finished engine (chapters 6-8): block manager, scheduler, model runner, sampler, LLM."""
+"""The finished engine (chapters 7-13): requests in, tokens out, one scheduled step at a time.
+
+    config.py           EngineConfig: every setting, validated once, decided for the model
+    sampling_params.py  SamplingParams: how one request wants its tokens chosen
+    sequence.py         a request's tokens and the two counters the scheduler runs on
+    block_manager.py    the paged KV cache's blocks (chapter 6); prefix_cache.py shares them (chapter 11)
+    scheduler.py        which tokens of which requests run this step, under a token budget
+    prepare.py          a step's inputs as flat arrays, in one copy to the device (chapter 9)
+    model_runner.py     a schedule -> one forward pass -> logits; cuda_graphs.py replays decode steps
+    sampler.py          logits -> tokens (penalties.py, logprobs.py: what requests may ask for)
+    detokenizer.py      tokens -> text, and stop strings
+    outputs.py          RequestOutput and CompletionOutput, as vLLM's
+    trace.py            a record of every step, for the chapters' pictures
+    llm_engine.py       the online engine: add_request, step, abort_request
+    llm.py              LLM: the offline API, a loop around LLMEngine
+
+It imports the model and attention below it, never the server, the stages or the benchmark kit.
+"""

@@ -17,25 +17,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from minivllm.engine.llm_engine import LLMEngine, Prompt
 from minivllm.engine.outputs import RequestOutput
-from minivllm.engine.sampler import RequestOutputKind, SamplingParams
+from minivllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.engine.trace import Trace
 
 Conversation = Sequence[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]
 
 
 class LLM:
-    """An engine for offline batches. Arguments as LLMEngine's; `model` may be a loaded
-    minivllm Decoder or anything load_model accepts (None: the embedded default model)."""
+    """An engine for offline batches. `model` may be a loaded minivllm Decoder or anything
+    load_model accepts (None: the embedded default model); the engine's settings are keywords,
+    as for LLMEngine (see engine/config.py), e.g. LLM(model, block_size=4, enable_prefix_caching=False)."""
 
-    def __init__(
-        self, model: Any = None, device: str | None = None, dtype: torch.dtype | None = None, block_size: int = 16,
-        num_kv_blocks: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-        max_model_len: int | None = None, attention: str | None = None, tokenizer: Any = None,
-        cuda_graphs: bool | None = None, fused_ops: bool | None = None, enable_prefix_caching: bool | None = None,
-    ):
-        self.engine = LLMEngine(model, device, dtype, block_size, num_kv_blocks, max_num_batched_tokens,
-                                max_num_seqs, max_model_len, attention, tokenizer, cuda_graphs, fused_ops,
-                                enable_prefix_caching)
+    def __init__(self, model: Any = None, device: str | None = None, dtype: torch.dtype | None = None,
+                 tokenizer: Any = None, **settings: Any):
+        self.engine = LLMEngine(model, device, dtype, tokenizer, **settings)
         self._request_ids = itertools.count()  # LLM names its requests "0", "1", ... (as vLLM's does), in order
 
     @property

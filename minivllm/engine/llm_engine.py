@@ -11,7 +11,6 @@ runs independently; the engine answers with one RequestOutput holding all n.
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import numbers
 import random
@@ -20,129 +19,67 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from rich.console import Console
 from torch.profiler import record_function
 
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.config import EngineConfig
 from minivllm.engine.detokenizer import StopChecker
+from minivllm.engine.logprobs import TopLogprobs, top_logprobs, unpack_logprobs
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minivllm.engine.prefix_cache import PrefixCachingBlockManager
-from minivllm.engine.sampler import (RequestOutputKind, Sampler, SamplingParams, TopLogprobs, top_logprobs,
-                                     unpack_logprobs)
+from minivllm.engine.sampler import Sampler
+from minivllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceGroup
 from minivllm.engine.trace import Trace
 from minivllm.loader import load_model, load_tokenizer
 from minivllm.model import Decoder
 
-# The parts of a step, as named ranges in a torch.profiler trace (see minivllm/profiling.py):
+# The parts of a step, as named ranges in a torch.profiler trace (see minivllm/bench/profiling.py):
 # planning, turning the plan into tensors, the model, choosing tokens, bookkeeping.
 STEP_PHASES = ("schedule", "prepare", "forward", "sample", "finish")
-# Chapter 11's prefix caching is on unless asked otherwise, as in vLLM. (The checks of chapters
-# 7-10 turn this default off, so that they test the engine as those chapters built it.)
-PREFIX_CACHING_DEFAULT = True
-GPU_KV_FRACTION = 0.8  # of the GPU memory still free once the model is loaded
-CPU_KV_BYTES = 256 * 2**20  # a fixed KV budget on CPU, where "free memory" means little
 AUTO_ID_PREFIX = "auto-"  # request ids the engine chooses; callers may not use it
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
-console = Console()
-
-
-def kv_blocks_for_memory(model: Decoder, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    """How many KV blocks the memory budget holds (never more than max_num_seqs full-length
-    sequences could use)."""
-    bytes_per_block = model.config.kv_bytes_per_token(model.dtype) * block_size
-    if model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
-        budget = int(GPU_KV_FRACTION * free)
-    else:
-        budget = CPU_KV_BYTES
-    useful = max_num_seqs * -(-max_model_len // block_size)
-    return max(1, min(budget // bytes_per_block, useful))
-
-
-def check_setting(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    """Engine settings are validated as strictly as requests: an int (not a bool, not a float
-    that happens to be whole) of at least `minimum`, or None where that means "choose for me"."""
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        allowed = f"an integer >= {minimum}" + (" or None" if allow_none else "")
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def default_attention(device: torch.device) -> str:
-    """Chapter 8's Triton kernels on a GPU when Triton is installed; chapter 6's PyTorch otherwise."""
-    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
 
 
 class LLMEngine:
     def __init__(
-        self, model: Any = None, device: str | None = None, dtype: torch.dtype | None = None, block_size: int = 16,
-        num_kv_blocks: int | None = None, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-        max_model_len: int | None = None, attention: str | None = None, tokenizer: Any = None,
-        cuda_graphs: bool | None = None, fused_ops: bool | None = None, enable_prefix_caching: bool | None = None,
+        self, model: Any = None, device: str | None = None, dtype: torch.dtype | None = None, tokenizer: Any = None,
+        config: EngineConfig | None = None, **settings: Any,
     ):
         """model: a minivllm Decoder, or any source load_model accepts (device and dtype are
         used only when loading). The tokenizer comes with the checkpoint when there is one.
-
-        Chapter 9's switches (None: on for a CUDA device, off on a CPU): attention "triton" or
-        "torch"; cuda_graphs replays decode steps from CUDA graphs (CUDA only; by default only
-        with Triton attention, whose decode reads the cache in place: chapter 6's PyTorch
-        decode would gather max_model_len tokens per sequence inside a graph); fused_ops runs
-        RMSNorm + residual, RoPE and SiLU·mul as fused Triton kernels. Chapter 11's
-        enable_prefix_caching (None: PREFIX_CACHING_DEFAULT, on as in vLLM) lets requests share
-        the KV blocks of a common prefix; off, the block manager is chapter 6's."""
-        for name, value, minimum, allow_none in (
-            ("block_size", block_size, 1, False), ("num_kv_blocks", num_kv_blocks, 1, True),
-            ("max_num_batched_tokens", max_num_batched_tokens, 1, False), ("max_num_seqs", max_num_seqs, 1, False),
-            ("max_model_len", max_model_len, 2, True),
-        ):
-            check_setting(name, value, minimum, allow_none)
-        for name, value in (("cuda_graphs", cuda_graphs), ("fused_ops", fused_ops)):
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be True, False or None (automatic), got {value!r}")
-        if enable_prefix_caching is None:
-            enable_prefix_caching = PREFIX_CACHING_DEFAULT
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True, False or None (the default), "
-                             f"got {enable_prefix_caching!r}")
+        The engine's settings (block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
+        max_model_len, attention, cuda_graphs, fused_ops, enable_prefix_caching) come as keywords
+        or as one EngineConfig, never both; see engine/config.py for what each one does."""
+        if config is not None and settings:
+            raise ValueError(f"pass the engine's settings as keywords or as config=EngineConfig(...), not both "
+                             f"(got config and {', '.join(sorted(settings))})")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        config = config or EngineConfig.from_settings(**settings)  # checked before a model is loaded
         if isinstance(model, Decoder):
             self.model = model
         else:
             self.model = load_model(model, device=device, dtype=dtype)
             tokenizer = tokenizer or load_tokenizer(model)
         self.tokenizer = tokenizer
-        cfg = self.model.config
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if not 1 < self.max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the model's context), "
-                             f"got {self.max_model_len}")
-        on_gpu = self.model.device.type == "cuda"
-        attention = attention or default_attention(self.model.device)
-        if cuda_graphs and not on_gpu:
-            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {self.model.device}")
-        if cuda_graphs is None:
-            cuda_graphs = on_gpu and attention == "triton"
-        if fused_ops is None:
-            fused_ops = on_gpu and importlib.util.find_spec("triton") is not None
-        if num_kv_blocks is None:
-            num_kv_blocks = kv_blocks_for_memory(self.model, block_size, max_num_seqs, self.max_model_len)
-            mib = num_kv_blocks * block_size * cfg.kv_bytes_per_token(self.model.dtype) / 2**20
-            console.print(f"[bold]KV cache[/] {num_kv_blocks:,} blocks × {block_size} tokens = "
-                          f"{num_kv_blocks * block_size:,} tokens, {mib:,.0f} MiB on {self.model.device}")
-        manager = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
-        self.block_manager = manager(num_kv_blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs)
-        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention, fused_ops, cuda_graphs,
-                                  max_num_seqs, self.max_model_len)
-        self.eos_token_ids = set(cfg.eos_token_ids)
+        self.config = config = config.resolve(self.model)
+        manager = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
+        self.block_manager = manager(config.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, config)
+        self.eos_token_ids = set(self.model.config.eos_token_ids)
         self.sampler = Sampler()  # chooses the tokens; keeps penalised requests' token counts between steps
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id (n completions each)
         self.trace: Trace | None = None  # set to Trace() to record every step
         self._ids = itertools.count()
         self._seeds = random.Random()  # seeds for sampled requests that bring none
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
 
     def get_tokenizer(self) -> Any:
         """The tokenizer (None when the checkpoint has none)."""
@@ -249,9 +186,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output (everything so far) for every request that

@@ -9,7 +9,7 @@ stops mid-prompt has nothing to predict yet.
 
 Chapter 9 changes how, not what: the inputs are built with NumPy and reach the device in one
 non-blocking copy (prepare.py), decode steps can replay CUDA graphs (cuda_graphs.py), and the
-token-wise work can run as fused Triton kernels (fused.py). Each sits behind a switch.
+token-wise work can run as fused Triton kernels (fused/). Each sits behind a switch.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch.profiler import record_function
 
 from minivllm.attention import paged_attention_class
 from minivllm.attention.paged import KVPool
+from minivllm.engine.config import EngineConfig
 from minivllm.engine.cuda_graphs import CudaGraph, GraphRunner
 from minivllm.engine.prepare import build_step_arrays, device_step, to_device
 from minivllm.engine.scheduler import SchedulerOutput
@@ -27,20 +28,16 @@ from minivllm.model import Decoder
 
 
 class ModelRunner:
-    """attention: "torch" or "triton"; fused_ops: run the token-wise work as fused kernels;
-    cuda_graphs: replay decode steps from CUDA graphs (graph_class=EagerGraph stands in for
-    them on a CPU, for tests)."""
+    """Runs the model the way `config` (resolved: no None left) says: its attention backend,
+    fused ops or not, CUDA graphs or not (graph_class=EagerGraph stands in for them on a CPU,
+    for tests), on a KV pool of config.num_kv_blocks blocks."""
 
-    def __init__(
-        self, model: Decoder, num_blocks: int, block_size: int, attention: str = "torch", fused_ops: bool = False,
-        cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int | None = None,
-        graph_class: type = CudaGraph,
-    ):
+    def __init__(self, model: Decoder, config: EngineConfig, graph_class: type = CudaGraph):
         self.model = model
         # Checked before the pool is allocated: an attention backend that cannot run here fails at once.
-        self.attention_class = paged_attention_class(attention, model.device, model.dtype)
+        self.attention_class = paged_attention_class(config.attention, model.device, model.dtype)
         self.forward: Callable[..., torch.Tensor] = model
-        if fused_ops:
+        if config.fused_ops:
             from minivllm import fused
 
             fused.check_fused_ops(model.device, model.dtype)
@@ -48,12 +45,12 @@ class ModelRunner:
             self.forward = lambda ids, positions, attention: fused.fused_forward(model, ids, positions, attention)
         # One block more than the block manager hands out: the rows that pad a CUDA graph's
         # batch read and write that one, so they never touch a request's cache.
-        self.pool = KVPool(model, num_blocks + 1, block_size)
+        self.pool = KVPool(model, config.num_kv_blocks + 1, config.block_size)
         self.graphs = None
-        if cuda_graphs:
+        if config.cuda_graphs:
             with torch.inference_mode():
-                self.graphs = GraphRunner(self.forward, self.pool, self.attention_class, max_num_seqs,
-                                          max_model_len or model.config.max_position_embeddings, graph_class)
+                self.graphs = GraphRunner(self.forward, self.pool, self.attention_class, config.max_num_seqs,
+                                          config.max_model_len, graph_class)
 
     @torch.inference_mode()
     def run(self, schedule: SchedulerOutput) -> tuple[list[int], torch.Tensor, dict[int, torch.Tensor]]:

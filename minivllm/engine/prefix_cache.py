@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 
 import numpy as np
 
@@ -105,10 +106,6 @@ class PrefixCachingBlockManager(BlockManager):
         # so that grow() can register the blocks that the granted tokens fill.
         self.owners: dict[int, tuple[Sequence, list[bytes]]] = {}
         self.pending_hits: dict[int, int] = {}  # tables looked up by reuse_prefix, not yet admitted: tokens found
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     @property
     def num_cached_free(self) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from minivllm.engine.detokenizer import StopChecker
 from minivllm.engine.outputs import Logprob
-from minivllm.engine.sampler import SamplingParams
+from minivllm.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

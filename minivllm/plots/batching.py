@@ -5,7 +5,6 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import torch
 
-from minivllm.attention.masks import block_diagonal_mask, chunk_mask, padded_causal_mask
 from minivllm.plots.lines import doubling_axis, draw_bars, plot_series
 from minivllm.plots.masks import HIDDEN, draw_mask, legend_handles
 
@@ -32,11 +31,11 @@ def shared_legend(fig: plt.Figure, codes: dict[int, tuple[str, str]], grids: lis
     fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8, bbox_to_anchor=(0.5, -0.02))
 
 
-def padded_grid(lengths: list[int]) -> torch.Tensor:
-    """[B, L, L] codes of a left-padded batch: the row's colour where a real query sees a real
-    key, padding keys that causality alone would show, padding queries seeing themselves."""
+def padded_grid(mask: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[B, L, L] codes of a left-padded batch's mask (padded_causal_mask(lengths)): the row's
+    colour where a real query sees a real key, padding keys that causality alone would show,
+    padding queries seeing themselves."""
     B, L = len(lengths), max(lengths)
-    mask = padded_causal_mask(lengths)
     pads = torch.tensor([L - n for n in lengths])[:, None, None]
     is_pad_query = torch.arange(L)[None, :, None] < pads  # [B, L, 1]
     is_pad_key = torch.arange(L)[None, None, :] < pads  # [B, 1, L]
@@ -46,10 +45,11 @@ def padded_grid(lengths: list[int]) -> torch.Tensor:
     return grid
 
 
-def ragged_grid(lengths: list[int]) -> torch.Tensor:
-    """[T, T] codes of the block-diagonal mask, each block in its sequence's colour."""
+def ragged_grid(mask: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[T, T] codes of the block-diagonal mask (block_diagonal_mask(lengths)), each block in its
+    sequence's colour."""
     seq_id = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    return torch.where(block_diagonal_mask(lengths), FIRST_SEQUENCE + seq_id[:, None], 0)
+    return torch.where(mask, FIRST_SEQUENCE + seq_id[:, None], 0)
 
 
 def token_labels(lengths: list[int], padded: bool) -> list[str] | None:
@@ -61,10 +61,11 @@ def token_labels(lengths: list[int], padded: bool) -> list[str] | None:
     return labels if len(labels) <= 40 else None
 
 
-def plot_padded_mask(lengths: list[int]) -> plt.Figure:
-    """One panel per row of the padded batch: the [L, L] mask that row's attention uses."""
+def plot_padded_mask(mask: torch.Tensor, lengths: list[int]) -> plt.Figure:
+    """One panel per row of the padded batch: the [L, L] mask that row's attention uses.
+    mask: padded_causal_mask(lengths), [B, L, L] (the picture draws the masks it is given)."""
     B, L = len(lengths), max(lengths)
-    grids, codes = padded_grid(lengths), categories(B, padding=True)
+    grids, codes = padded_grid(mask, lengths), categories(B, padding=True)
     fig, axes = plt.subplots(1, B, figsize=(1.5 + B * (0.9 + 0.28 * L), 2.8 + 0.28 * L), squeeze=False)
     for b, (ax, grid) in enumerate(zip(axes[0], grids)):
         labels = ["pad"] * (L - lengths[b]) + [str(i) for i in range(lengths[b])]
@@ -76,19 +77,20 @@ def plot_padded_mask(lengths: list[int]) -> plt.Figure:
     return fig
 
 
-def plot_padded_vs_ragged(lengths: list[int]) -> plt.Figure:
-    """The same prompts as one flat run: padded (B*L slots, left) and ragged (T tokens, right).
+def plot_padded_vs_ragged(padded_mask: torch.Tensor, ragged_mask: torch.Tensor, lengths: list[int]) -> plt.Figure:
+    """The same prompts as one flat run: padded (B*L slots, left; padded_mask is
+    padded_causal_mask(lengths)) and ragged (T tokens, right; block_diagonal_mask(lengths)).
     Left, each row of the batch is its own [L, L] score matrix, drawn as B squares on the
     diagonal: rows never meet, so the space between the squares is no score at all. Right, the
     block-diagonal mask is one [T, T] matrix: the hidden cells between sequences are scores a
     dense mask computes and throws away."""
     B, L, T = len(lengths), max(lengths), sum(lengths)
     padded = torch.full((B * L, B * L), NOT_A_SCORE)
-    for b, grid in enumerate(padded_grid(lengths)):
+    for b, grid in enumerate(padded_grid(padded_mask, lengths)):
         padded[b * L:(b + 1) * L, b * L:(b + 1) * L] = grid
     size = min(7.0, 2.0 + 0.22 * B * L)
     fig, (left, right) = plt.subplots(1, 2, figsize=(2 * size + 1, size + 0.6))
-    ragged, codes = ragged_grid(lengths), categories(B, padding=True)
+    ragged, codes = ragged_grid(ragged_mask, lengths), categories(B, padding=True)
     draw_mask(left, padded, f"padded: {B} rows × {L} = {B * L} slots,\n{B} × {L}² = {B * L * L} scores",
               codes | {NOT_A_SCORE: ("", "white")}, token_labels(lengths, True), token_labels(lengths, True),
               legend=False)
@@ -106,18 +108,19 @@ def plot_padded_vs_ragged(lengths: list[int]) -> plt.Figure:
     return fig
 
 
-def plot_chunk_masks(prompt_len: int, chunk_size: int) -> plt.Figure:
-    """Left: each chunk's [n, past + n] mask, one under the other. Right: stacked, they are
-    exactly the causal mask of the whole prompt."""
-    chunks = [(past, min(chunk_size, prompt_len - past)) for past in range(0, prompt_len, chunk_size)]
+def plot_chunk_masks(masks: list[torch.Tensor]) -> plt.Figure:
+    """Left: each chunk's [n, past + n] mask (chunk_mask(n, past), the chunks of one prompt in
+    order), one under the other. Right: stacked, they are exactly the causal mask of the whole prompt."""
+    chunks = [(mask.shape[1] - mask.shape[0], mask.shape[0]) for mask in masks]  # (past, n)
+    prompt_len, chunk_size = masks[-1].shape[1], masks[0].shape[0]
     codes = {0: ("hidden", HIDDEN), 1: ("cached key (earlier chunks)", SEQUENCE_COLORS[0]),
              2: ("this chunk (causal)", SEQUENCE_COLORS[2])}
     side = 2.5 + 0.32 * prompt_len
     fig = plt.figure(figsize=(2 * side + 1, side + 0.3 * len(chunks)))
     layout = fig.add_gridspec(len(chunks), 2, height_ratios=[n for _, n in chunks], hspace=0.9)
     stacked = torch.zeros(prompt_len, prompt_len, dtype=torch.int64)
-    for row, (past, n) in enumerate(chunks):
-        grid = torch.where(chunk_mask(n, past), torch.where(torch.arange(past + n) < past, 1, 2), 0)
+    for row, ((past, n), mask) in enumerate(zip(chunks, masks)):
+        grid = torch.where(mask, torch.where(torch.arange(past + n) < past, 1, 2), 0)
         stacked[past:past + n, :past + n] = grid
         ax = fig.add_subplot(layout[row, 0])
         draw_mask(ax, grid, f"chunk {row}: chunk_mask({n}, past={past})", codes,

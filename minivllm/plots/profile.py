@@ -1,6 +1,6 @@
 """Pictures of where an engine step's time goes (chapter 9).
 
-Both functions read profiles in the JSON form `minivllm.profiling.StepProfile.to_dict()`
+Both functions read profiles in the JSON form `minivllm.bench.profiling.StepProfile.to_dict()`
 writes (and benchmarks/results/09_step_profile_*.json holds): a step's spans are
 [name, start_ms, end_ms] lists, measured from the step's start.
 """

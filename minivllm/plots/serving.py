@@ -14,7 +14,7 @@ COLORS = {"continuous": "#2b6cb0", "static": "#c05621"}
 
 def plot_serving(runs: dict[str, list[dict[str, Any]]], x_key: str, slo_ttft: float, slo_tokens_per_second: float,
                  subtitle: str = "") -> plt.Figure:
-    """runs: label -> one summary per level (minivllm.serving.bench.summarize, plus `x_key`:
+    """runs: label -> one summary per level (minivllm.bench.load.summarize, plus `x_key`:
     "concurrency" or "rate"). Left: time to first token; middle: tokens/s each user sees
     (1 / TPOT) for the median user and the slowest 1 %; right: output tokens/s of all users."""
     fig, (ttft_ax, speed_ax, total_ax) = plt.subplots(1, 3, figsize=(15, 4.8))

@@ -5,8 +5,9 @@
     async_engine.py  one thread owns and steps the LLMEngine; asyncio streams per request
     metrics.py       Prometheus metrics: queue, KV cache, tokens, latency histograms
     app.py           the FastAPI routes
-    bench.py         a load generator: TTFT, TPOT, ITL and goodput against concurrency or rate
+    threaded.py      a server on a thread of its own, for notebooks, chapter scripts and tests
 
 The server sits above `LLMEngine` and uses only its public methods (add_request, step,
-abort_request) plus read-only counts for /metrics.
+abort_request) plus read-only counts for /metrics. It never imports the benchmark kit: the load
+generator that measures it is minivllm/bench/load.py, a client like any other.
 """

@@ -26,10 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from minivllm.bench import environment
 from minivllm.engine.llm import render_chat
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.sampler import SamplingParams
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.machine import environment
 from minivllm.serving.async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream
 from minivllm.serving.protocol import (ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
                                        error_body)

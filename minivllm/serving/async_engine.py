@@ -35,7 +35,7 @@ import torch
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.outputs import RequestOutput
-from minivllm.engine.sampler import SamplingParams
+from minivllm.engine.sampling_params import SamplingParams
 from minivllm.serving.metrics import ServerMetrics
 
 log = logging.getLogger("minivllm.serving")

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from minivllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.engine.sampler import SamplingParams
+from minivllm.engine.sampling_params import SamplingParams
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 

@@ -90,7 +90,7 @@ class RaggedAttention:
 
 
 @dataclass
-class Sequence:
+class RaggedSequence:
     """A request in flight: its tokens so far (prompt, then outputs) and its own KV cache."""
 
     request: int  # index in the caller's list of prompts
@@ -109,8 +109,8 @@ class Sequence:
         return len(self.tokens) - self.prompt_len == self.max_new
 
 
-def new_sequence(model: Decoder, request: int, prompt: list[int], max_new: int) -> Sequence:
-    return Sequence(request, list(prompt), len(prompt), max_new, KVCache(model, len(prompt) + max_new))
+def new_sequence(model: Decoder, request: int, prompt: list[int], max_new: int) -> RaggedSequence:
+    return RaggedSequence(request, list(prompt), len(prompt), max_new, KVCache(model, len(prompt) + max_new))
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Step:
 
 
 def run_step(
-    model: Decoder, seqs: list[Sequence], num_new: list[int], attention_type: type[RaggedAttention] = RaggedAttention
+    model: Decoder, seqs: list[RaggedSequence], num_new: list[int], attention_type: type[RaggedAttention] = RaggedAttention
 ) -> torch.Tensor:
     """Feed the next num_new[i] pending tokens of each seqs[i], all in one flat run, and
     return the final hidden state of each segment's last token: [len(seqs), hidden]."""
@@ -140,7 +140,7 @@ def run_step(
     return hidden[as_tensor(attention.cu[1:], model.device) - 1]
 
 
-def record_step(live: list[Sequence], num_tokens: int, stats: StageStats | None) -> None:
+def record_step(live: list[RaggedSequence], num_tokens: int, stats: StageStats | None) -> None:
     """No padding, no finished rows: every slot is useful. KV: only the live sequences' caches."""
     if stats:
         stats.token_slots += num_tokens

@@ -35,8 +35,6 @@ is 14.9 TB of KV plus 1.19 TB of weights, 5.38 s, 26,800 tok/s: the shared notes
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -109,34 +107,3 @@ def decode_floor(
     return Floor(weight_bytes=weight_bytes_per_step(config, dtype), weight_reads=max(output_lens),
                  kv_bytes=kv_tokens * config.kv_bytes_per_token(dtype), bandwidth=float(bandwidth),
                  output_tokens=sum(output_lens))
-
-
-def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 10) -> float:
-    """Measured device-to-device copy bandwidth in bytes/s, counting the bytes read and the
-    bytes written (2 x nbytes per copy); the median of `repeats` timed copies after one
-    untimed. nbytes (default 1 GiB on a GPU, 256 MiB on a CPU) must be far larger than the
-    caches, or the copy measures them instead of memory. GPU copies are timed with CUDA events."""
-    device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu or cuda, got {device}")
-    nbytes = nbytes if nbytes is not None else (2**30 if device.type == "cuda" else 2**28)
-    for name, value in (("nbytes", nbytes), ("repeats", repeats)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch: page faults and allocation are not bandwidth
-    seconds = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        else:
-            start_time = time.perf_counter()
-            dst.copy_(src)
-            seconds.append(time.perf_counter() - start_time)
-    return 2 * nbytes / statistics.median(seconds)

@@ -46,15 +46,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from minivllm.bench import RESULTS_DIR, Workload, make_workload, save_results
+from minivllm.bench.harness import RESULTS_DIR, save_results
+from minivllm.bench.latency import Latencies, latency_percentiles
+from minivllm.bench.workloads import Workload, make_workload
 from minivllm.plots import save
 from minivllm.plots.serving import plot_serving
 
-PERCENTILES = (50, 90, 99)
 console = Console()
 
 
@@ -72,34 +72,20 @@ class SLO:
 
 
 @dataclass
-class RequestResult:
+class RequestResult(Latencies):
     planned_tokens: int
     start: float = 0.0  # time.perf_counter() when sent
-    chunk_times: list[float] = field(default_factory=list)  # when each chunk of tokens arrived
+    token_times: list[float] = field(default_factory=list)  # when each chunk of tokens arrived
     output_tokens: int = 0  # as the server's usage chunk counts them
     error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.error is None and bool(self.chunk_times)
+        return self.error is None and bool(self.token_times)
 
     @property
-    def ttft(self) -> float:
-        return self.chunk_times[0] - self.start
-
-    @property
-    def e2e(self) -> float:
-        return self.chunk_times[-1] - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.chunk_times[-1] - self.chunk_times[0]) / (self.output_tokens - 1)
-
-    @property
-    def itls(self) -> list[float]:
-        return list(np.diff(self.chunk_times))
+    def num_tokens_received(self) -> int:
+        return self.output_tokens  # a chunk holds every token one engine step gave the request
 
 
 async def stream_completion(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
@@ -122,7 +108,7 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt: list[
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 elif chunk["choices"]:  # one chunk per engine step that gave this request tokens
-                    result.chunk_times.append(time.perf_counter())
+                    result.token_times.append(time.perf_counter())
 
     try:
         await asyncio.wait_for(receive(), timeout)
@@ -173,12 +159,7 @@ def summarize(results: list[RequestResult], elapsed: float, slo: SLO) -> dict[st
     """Percentiles of TTFT, TPOT, ITL and E2E (seconds), throughputs, goodput and whether the
     SLO held at p99."""
     ok = [r for r in results if r.ok]
-    values = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
-              "itl": [gap for r in ok for gap in r.itls], "e2e": [r.e2e for r in ok]}
-    summary: dict[str, Any] = {
-        name: {f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES} | {"mean": float(np.mean(v))}
-        for name, v in values.items() if v
-    }
+    summary: dict[str, Any] = latency_percentiles(ok)
     good = sum(slo.met_by(r) for r in results)
     summary |= {
         "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),

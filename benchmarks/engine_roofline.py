@@ -1,18 +1,18 @@
 """A roofline you can run: how close the engine comes to the memory floor of a workload (chapter 9).
 
-    python benchmarks/roofline.py [--device cpu|cuda] [--model SRC] [--dtype D] [--workload classroom|nano]
+    python benchmarks/engine_roofline.py [--device cpu|cuda] [--model SRC] [--dtype D] [--workload classroom|nano]
                                   [--variants eager graphs graphs+fused] [--repeats N]
 
 On a GPU (the numbers chapter 9 reports):
 
-    python benchmarks/roofline.py --device cuda --model minivllm/configs/qwen3-0.6b.json --workload nano
+    python benchmarks/engine_roofline.py --device cuda --model minivllm/configs/qwen3-0.6b.json --workload nano
 
 (at the speeds of the shared notes, about 1 minute per engine setting and 4 for transformers,
 whose continuous batching runs the nano workload at ~580 tok/s on an H100).
 
 1. Measure the device's copy bandwidth (bytes read + written per second).
 2. Compute the workload's floor: the weights read once per decode step, every request's KV
-   read once per step it decodes, over that bandwidth (minivllm/roofline.py).
+   read once per step it decodes, over that bandwidth (minivllm/bench/roofline.py).
 3. Run the engine (`LLM.generate`, greedy, EOS ignored, each request's own output length)
    `--repeats` times per engine setting (`--variants`, default: every one the device can run),
    after a warm-up, and transformers' continuous batching (`generate_batch`) once, on the same
@@ -34,24 +34,16 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from minivllm import LLM, SamplingParams, plots
-from minivllm.bench import (
-    WORKLOADS,
-    Workload,
-    chapter_parser,
-    console,
-    environment,
-    format_tokens_per_second,
-    load_for_chapter,
-    make_workload,
-    save_results,
-    synchronize,
-    useful_tokens,
-)
+from minivllm.bench.harness import (chapter_parser, console, format_tokens_per_second, load_for_chapter, save_results,
+                                    useful_tokens)
+from minivllm.bench.workloads import WORKLOADS, Workload, make_workload
+from minivllm.machine import environment, synchronize
 from minivllm.model import Decoder
-from minivllm.peers import continuous_batching_unavailable, hf_generate_batch, to_transformers
-from minivllm.plots.roofline import plot_roofline
-from minivllm.profiling import VARIANTS, variants_for
-from minivllm.roofline import copy_bandwidth, decode_floor
+from minivllm.bench.peers import continuous_batching_unavailable, hf_generate_batch, to_transformers
+from minivllm.plots.ceiling import plot_roofline
+from minivllm.bench.profiling import VARIANTS, variants_for
+from minivllm.bench.roofline import decode_floor
+from minivllm.bench.timing import copy_bandwidth
 
 PEER = "transformers generate_batch"
 Runner = Callable[[list[list[int]], list[int]], list[list[int]]]

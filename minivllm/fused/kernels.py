@@ -40,7 +40,7 @@ here gives the same bits up to the order of the mean's additions and rsqrt's las
 Every launch is sized by shapes alone (no value is read back to the host), so a whole forward
 can be captured in a CUDA graph.
 
-Triton is imported at the top: import this module through minivllm.fused.load_fused_kernels,
+Triton is imported at the top: import this module through minivllm.fused.check_fused_ops,
 which refuses clearly where Triton cannot run. Kernels are compiled for the GPU unless
 TRITON_INTERPRET=1 was set before this module was imported (then they run on the CPU in
 Triton's interpreter, which cannot compute in bfloat16; see INTERPRETED).

@@ -20,37 +20,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from minivllm.bench import Workload
+from minivllm.bench.latency import Latencies, latency_percentiles
+from minivllm.bench.workloads import Workload
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.sampler import SamplingParams
-
-PERCENTILES = (50, 90, 99)
+from minivllm.engine.sampling_params import SamplingParams
 
 
 @dataclass
-class RequestTiming:
-    arrival: float
-    num_tokens: int  # the request's own output length
+class RequestTiming(Latencies):
+    start: float  # its arrival, on the simulated clock
+    planned_tokens: int  # the request's own output length
     token_times: list[float] = field(default_factory=list)
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.arrival
-
-    @property
-    def e2e(self) -> float:
-        return self.token_times[-1] - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
-
-    @property
-    def itls(self) -> list[float]:
-        return list(np.diff(self.token_times))
 
 
 def _step(engine: LLMEngine, clock: float, timings: dict[str, RequestTiming]) -> float:
@@ -60,7 +40,7 @@ def _step(engine: LLMEngine, clock: float, timings: dict[str, RequestTiming]) ->
     clock += time.perf_counter() - start
     for out in outputs:
         timing = timings[out.request_id]
-        if len(timing.token_times) < timing.num_tokens:  # tokens past its own length are padding work
+        if len(timing.token_times) < timing.planned_tokens:  # tokens past its own length are padding work
             timing.token_times.append(clock)
     return clock
 
@@ -104,13 +84,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 def latency_summary(timings: list[RequestTiming]) -> dict[str, dict[str, float]]:
     """TTFT, TPOT, ITL and E2E latency (seconds) at p50/p90/p99, plus useful throughput."""
-    values = {
-        "ttft": [t.ttft for t in timings],
-        "tpot": [t.tpot for t in timings if t.tpot is not None],
-        "itl": [gap for t in timings for gap in t.itls],
-        "e2e": [t.e2e for t in timings],
-    }
-    summary = {name: {f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES} for name, v in values.items() if v}
-    makespan = max(t.token_times[-1] for t in timings) - min(t.arrival for t in timings)
-    summary["throughput"] = {"useful_tokens_per_second": sum(t.num_tokens for t in timings) / makespan}
+    summary = latency_percentiles(timings)
+    makespan = max(t.token_times[-1] for t in timings) - min(t.start for t in timings)
+    summary["throughput"] = {"useful_tokens_per_second": sum(t.planned_tokens for t in timings) / makespan}
     return summary

@@ -2,7 +2,7 @@
 
 model.py stays plain PyTorch, one line per idea. `fused_forward` walks the same layers with
 the same parameters and computes the same thing, but hands the token-wise parts to the small
-Triton kernels of fused_kernels.py: RMSNorm with the residual add in front of it, Qwen3's q/k
+Triton kernels of kernels.py: RMSNorm with the residual add in front of it, Qwen3's q/k
 norm with RoPE, SiLU(gate)·up. Read it side by side with Decoder.forward and DecoderLayer.forward:
 
     Decoder.forward / DecoderLayer.forward      fused_forward
@@ -46,12 +46,12 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_fused_ops(device: torch.device | str, dtype: torch.dtype) -> ModuleType:
-    """The fused kernels (minivllm.fused_kernels) if Triton can run them on `dtype` tensors on
+    """The fused kernels (minivllm.fused.kernels) if Triton can run them on `dtype` tensors on
     `device`; otherwise a RuntimeError that says what to do. The engine calls it before it
     allocates anything, so that fused_ops=True fails at once where it cannot work."""
     if dtype not in FUSED_DTYPES:
         raise ValueError(f"fused ops run in float32, bfloat16 or float16, not {dtype}")
-    return import_kernels("minivllm.fused_kernels", "fused_ops=True", "fused_ops=False (the default on the CPU)",
+    return import_kernels("minivllm.fused.kernels", "fused_ops=True", "fused_ops=False (the default on the CPU)",
                           torch.device(device), dtype)
 
 

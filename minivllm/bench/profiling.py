@@ -21,14 +21,12 @@ thread, device type), so the same code runs on torch 2.4 to 2.15; step boundarie
 device kernels of each step are found by time, not through correlation ids that changed
 between versions.
 
-    python -m minivllm.profiling [--model SRC] [--device cpu|cuda] [--batch-size 16] [--context 200]
+    python -m minivllm.bench.profiling [--model SRC] [--device cpu|cuda] [--batch-size 16] [--context 200]
 
 writes figures/09_step_timeline.png and benchmarks/results/09_step_profile_<device>.json.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import random
 import statistics
 import time
@@ -42,14 +40,13 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from minivllm import plots
-from minivllm.bench import add_model_arguments, console, device_name, environment, load_for_chapter, save_results
 from minivllm.engine.llm import LLM
-from minivllm.engine.llm_engine import STEP_PHASES, LLMEngine, check_setting
-from minivllm.engine.sampler import SamplingParams
+from minivllm.engine.config import check_setting
+from minivllm.engine.llm_engine import STEP_PHASES, LLMEngine
+from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.sequence import Sequence
+from minivllm.machine import device_name, synchronize
 from minivllm.model import Decoder
-from minivllm.plots.profile import plot_step_timeline
 
 # The engine settings chapter 9 compares (keyword arguments of LLM / LLMEngine). On a CPU only
 # "eager" exists: there are no CUDA graphs, and the fused ops are GPU kernels.
@@ -319,7 +316,7 @@ def _time_steps(engine: LLMEngine, steps: int) -> list[float]:
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
-        _synchronize(engine.model.device)
+        synchronize(engine.model.device)
         times.append(round(1e3 * (time.perf_counter() - start), 4))
     return times
 
@@ -333,7 +330,7 @@ def _record(engine: LLMEngine, steps: int, label_layers: bool) -> tuple[profile,
     layers = _named_layers(engine.model) if label_layers else _nothing()
     with layers, profile(activities=activities) as prof:
         engine.step()  # the profiler's first step is slow (it sets itself up): not kept
-        _synchronize(device)
+        synchronize(device)
         seqs = _sequences(engine)
         mean_context = round(sum(s.num_tokens for s in seqs) / len(seqs))
         for i in range(steps):
@@ -342,7 +339,7 @@ def _record(engine: LLMEngine, steps: int, label_layers: bool) -> tuple[profile,
                 engine.step()
             # Outside the step's range: the GPU finishes this step before the next one starts,
             # so each kernel belongs to the step whose window it starts in.
-            _synchronize(device)
+            synchronize(device)
             decoded.append(sum(s.num_computed_tokens == n + 1 for s, n in zip(seqs, before)))
     return prof, decoded, mean_context
 
@@ -350,11 +347,6 @@ def _record(engine: LLMEngine, steps: int, label_layers: bool) -> tuple[profile,
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _Event(NamedTuple):
@@ -420,39 +412,3 @@ def profile_variants(
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     return [profile_steps(model, variant=name, **VARIANTS[name], **kwargs) for name in variants]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Profile steady decode steps of the engine (chapter 9).")
-    add_model_arguments(parser)
-    parser.add_argument("--batch-size", type=int, default=16, help="requests decoding side by side")
-    parser.add_argument("--context", type=int, default=200, help="their contexts, in tokens (prompts within 10%%)")
-    parser.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
-    parser.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
-                        help="engine settings to compare (default: every one the device can run)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on a shared machine, a second thread mostly waits)")
-    parser.add_argument("--machine-note", default="", help="what else the machine was doing, saved with the results")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model = load_for_chapter(args)
-    with console.status("profiling"):
-        profiles = profile_variants(model, args.variants, batch_size=args.batch_size, context=args.context,
-                                    steps=args.steps, seed=args.seed)
-    for p in profiles:
-        s = p.summary()
-        phases = ", ".join(f"{name} {ms:.2f}" for name, ms in s["host_ms"].items())
-        busy = "—" if s["device_busy_ms"] is None else f"{s['device_busy_ms']:.2f} ms"
-        console.print(f"[bold]{p.variant}[/] on {p.device}, {p.dtype}, {p.model}, batch {p.batch_size}, context "
-                      f"~{p.context}: step {s['wall_ms']:.2f} ms (median of {len(p.steps)}); host ms: {phases}; "
-                      f"{s['launches']:,.0f} {p.count_label} per step; device busy {busy}")
-    payload = dict(environment=environment(model), created=time.strftime("%Y-%m-%d %H:%M:%S"),
-                   machine_note=args.machine_note, load_average=os.getloadavg(),
-                   profiles=[p.to_dict() for p in profiles])
-    path = save_results(f"09_step_profile_{model.device.type}", payload)
-    figure = plots.save(plot_step_timeline(payload["profiles"]), "09_step_timeline")
-    console.print(f"saved {path} and {figure}")
-
-
-if __name__ == "__main__":
-    main()

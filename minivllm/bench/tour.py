@@ -14,11 +14,13 @@ import torch
 from rich.progress import Progress
 
 from minivllm import plots
-from minivllm.bench import (StageResult, Workload, console, environment, format_bytes, format_tokens_per_second,
-                            make_workload, run_stage, save_results)
+from minivllm.bench.harness import (StageResult, console, format_bytes, format_tokens_per_second, run_stage,
+                                    save_results)
+from minivllm.bench.workloads import Workload, make_workload
+from minivllm.machine import environment
 from minivllm.loader import CONFIGS, default_device, load_model
 from minivllm.model import Decoder
-from minivllm.peers import (continuous_batching_unavailable, hf_generate_batch, hf_static_generate, to_transformers,
+from minivllm.bench.peers import (continuous_batching_unavailable, hf_generate_batch, hf_static_generate, to_transformers,
                             token_positions)
 from minivllm.plots.lines import plot_bars
 from minivllm.stages import STAGES

@@ -1,31 +1,12 @@
-"""The benchmark harness every chapter uses: seeded workloads, timing a stage, metrics,
-a rich table, and JSON results that record where the numbers came from.
-
-Speeds are only ever *measured* here (and in the scripts that call this), never asserted in
-tests: the machine may be shared and noisy, so compare stages side by side in one run.
+"""The standard workloads (see the README's "Standard workloads"): seeded requests of random
+token ids with fixed output lengths (EOS is ignored, so every runner does the same work), and
+the workloads that repeat themselves for chapter 11's prefix cache.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import platform
 import random
-import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
-
-import torch
-from rich.console import Console
-from rich.table import Table
-
-from minivllm.model import Decoder
-from minivllm.stages.common import StageStats
-
-RESULTS_DIR = Path("benchmarks/results")
-console = Console()
 
 
 @dataclass
@@ -97,182 +78,8 @@ def make_workload(
     return Workload(name, prompts, output_lens, poisson_arrivals(rng, n, rate))
 
 
-@dataclass
-class StageResult:
-    name: str
-    seconds: float
-    useful_tokens: int
-    stats: StageStats = field(default_factory=StageStats)
-    peak_gpu_bytes: int | None = None
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
-    note: str = ""
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.useful_tokens / self.seconds if self.seconds else math.inf
-
-    def row(self) -> dict[str, Any]:
-        """What goes into JSON (the outputs themselves are left out)."""
-        return dict(
-            name=self.name, seconds=self.seconds, useful_tokens=self.useful_tokens,
-            tokens_per_second=self.tokens_per_second, padding_waste=self.stats.padding_waste,
-            kv_utilisation=self.stats.kv_utilisation, peak_kv_tokens=self.stats.peak_kv_tokens,
-            peak_gpu_bytes=self.peak_gpu_bytes, note=self.note,
-        )
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def useful_tokens(outputs: list[list[int]], output_lens: list[int]) -> int:
-    """Requested tokens actually delivered: tokens past a request's own limit do not count."""
-    return sum(min(len(out), n) for out, n in zip(outputs, output_lens))
-
-
-def run_stage(name: str, generate: Any, model: Decoder, workload: Workload, **options: Any) -> StageResult:
-    """Time one stage's `generate` over a workload (wall clock, device synchronised)."""
-    device = model.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    stats = StageStats()
-    synchronize(device)
-    start = time.perf_counter()
-    outputs = generate(model, workload.prompts, workload.output_lens, stats=stats, **options)
-    synchronize(device)
-    seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return StageResult(name, seconds, useful_tokens(outputs, workload.output_lens), stats, peak, outputs)
-
-
-def environment(model: Decoder | None = None) -> dict[str, Any]:
-    """Where a number was measured: device, software versions, model shape."""
-    import transformers
-
-    info: dict[str, Any] = dict(
-        python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-        machine=platform.machine(), cpu_threads=torch.get_num_threads(),
-    )
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if model is not None:
-        info["device"] = device_name(model.device)
-        info["dtype"] = str(model.dtype).removeprefix("torch.")
-        info["model"] = asdict(model.config) | {"parameters": model.config.num_parameters()}
-    return info
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def save_results(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    return path
-
-
-def format_tokens_per_second(value: float) -> str:
-    return f"{value:,.0f}" if value >= 100 else f"{value:,.1f}"
-
-
-def results_table(results: list[StageResult], title: str, baseline: str | None = None) -> Table:
-    """A rich table: throughput, speed-up over `baseline` (default: the first row), waste, KV use."""
-    base = next((r for r in results if r.name == baseline), results[0]) if results else None
-    table = Table(title=title)
-    for column in ("stage", "useful tok/s", "speed-up", "padding waste", "KV utilisation", "peak KV tokens", "note"):
-        table.add_column(column, justify="left" if column in ("stage", "note") else "right")
-    for r in results:
-        kv = r.stats.kv_utilisation
-        table.add_row(
-            r.name, format_tokens_per_second(r.tokens_per_second),
-            f"{r.tokens_per_second / base.tokens_per_second:.1f}×" if base else "",
-            f"{r.stats.padding_waste:.0%}", "—" if kv is None else f"{kv:.0%}",
-            f"{r.stats.peak_kv_tokens:,}" if r.stats.peak_kv_tokens else "—", r.note,
-        )
-    return table
-
-
-def chapter_parser(description: str) -> argparse.ArgumentParser:
-    """The command line every chapter script shares."""
-    parser = argparse.ArgumentParser(description=description)
-    add_model_arguments(parser)
-    return parser
-
-
-def add_model_arguments(parser: argparse.ArgumentParser, seed: bool = True) -> None:
-    """--model, --device, --dtype and (with `seed`) --seed: what every script, `minivllm tour`
-    and `minivllm serve` run on."""
-    parser.add_argument("--model", default=None, help="checkpoint folder, hub id or config.json (default: the embedded model)")
-    parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU, bf16 on CUDA")
-    if seed:
-        parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
-
-
-def dtype_argument(args: argparse.Namespace) -> torch.dtype | None:
-    """--dtype as a torch dtype (None: the device's default)."""
-    return getattr(torch, args.dtype) if args.dtype else None
-
-
-def load_for_chapter(args: argparse.Namespace) -> Decoder:
-    """Load the model named on a chapter's command line and say what was loaded."""
-    from minivllm.loader import load_model
-
-    model = load_model(args.model, device=args.device, dtype=dtype_argument(args))
-    cfg = model.config
-    console.print(f"[bold]model[/] {args.model or 'embedded default'} ({cfg.model_type}, "
-                  f"{cfg.num_parameters() / 1e6:.1f}M parameters) on {device_name(model.device)}, "
-                  f"{str(model.dtype).removeprefix('torch.')}")
-    return model
-
-
-def time_stream(tokens: Iterator[int], device: torch.device) -> list[float]:
-    """Seconds each token of a token stream took to appear (device synchronised)."""
-    times, last = [], time.perf_counter()
-    for _ in tokens:
-        synchronize(device)
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-    return times
-
-
-def kv_size_table(configs: dict[str, Any], dtype: torch.dtype, context: int = 4096) -> Table:
-    """KV-cache bytes per token for several model shapes: 2 (K and V) x layers x kv_heads x
-    head_dim x bytes per element, per layer and for the whole model."""
-    element = torch.tensor([], dtype=dtype).element_size()
-    table = Table(title=f"KV cache per token ({str(dtype).removeprefix('torch.')})")
-    for column in ("model", "layers × kv heads × head dim", "per layer", "per token", f"{context:,}-token context"):
-        table.add_column(column, justify="left" if column == "model" else "right")
-    for name, cfg in configs.items():
-        per_token = cfg.kv_bytes_per_token(dtype)
-        table.add_row(name, f"{cfg.num_layers} × {cfg.num_kv_heads} × {cfg.head_dim}",
-                      format_bytes(2 * cfg.num_kv_heads * cfg.head_dim * element), format_bytes(per_token),
-                      format_bytes(per_token * context))
-    return table
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,.1f} {unit}".replace(".0 ", " ")
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-# ------------------------------------------------------------------------------------------
 # Workloads that repeat themselves (chapter 11): the prefix cache only helps when requests
 # begin with the same tokens.
-# ------------------------------------------------------------------------------------------
 
 
 def _check_range(name: str, value: Any, minimum: int) -> tuple[int, int]:
