@@ -54,3 +54,13 @@ class BlockManager:
         """Give every block of `table` back and empty it."""
         self.free.extend(table)
         table.clear()
+
+    def shrink(self, table: list[int], num_tokens: int) -> None:
+        """Give back the blocks of `table` beyond the first blocks_for(num_tokens), last first
+        (chapter 12's rollback: the blocks that held only rejected guesses)."""
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self._give_back(table.pop())
+
+    def _give_back(self, block: int) -> None:
+        self.free.append(block)

@@ -12,6 +12,7 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     cuda_graphs             on with Triton attention on a GPU            9
     fused_ops               on on a GPU with Triton                      9
     enable_prefix_caching   on, as in vLLM                               11
+    speculative_config      off (None); a dict as vLLM's                 12
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from minivllm.engine.spec_decode.config import SpeculativeConfig
 from minivllm.model import Decoder
 
 # Chapter 11's prefix caching is on unless asked otherwise, as in vLLM. (The checks of chapters
@@ -75,6 +77,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # replay decode steps from CUDA graphs (CUDA only)
     fused_ops: bool | None = None  # the token-wise work as fused Triton kernels
     enable_prefix_caching: bool | None = None  # share the KV blocks of common prefixes
+    speculative_config: dict | SpeculativeConfig | None = None  # chapter 12: guess tokens, verify them in one pass
 
     def __post_init__(self) -> None:
         for name, minimum, allow_none in (("block_size", 1, False), ("num_kv_blocks", 1, True),
@@ -90,6 +93,8 @@ class EngineConfig:
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True, False or None (the default), "
                              f"got {self.enable_prefix_caching!r}")
+        if self.speculative_config is not None:  # frozen: normalise the user's dict once, here
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
 
     @classmethod
     def from_settings(cls, **settings: Any) -> EngineConfig:

@@ -32,6 +32,7 @@ from minivllm.engine.sampler import Sampler
 from minivllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceGroup
+from minivllm.engine.spec_decode.speculator import Speculator
 from minivllm.engine.trace import Trace
 from minivllm.loader import load_model, load_tokenizer
 from minivllm.model import Decoder
@@ -70,6 +71,8 @@ class LLMEngine:
         self.block_manager = manager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, config)
+        self.speculator = (Speculator(config.speculative_config, self.model, config)
+                           if config.speculative_config is not None else None)  # chapter 12
         self.eos_token_ids = set(self.model.config.eos_token_ids)
         self.sampler = Sampler()  # chooses the tokens; keeps penalised requests' token counts between steps
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id (n completions each)
@@ -191,8 +194,13 @@ class LLMEngine:
         """Run one scheduled step; return an output (everything so far) for every request that
         got a new token, finished ones included (FINAL_ONLY requests: only when they finish)."""
         start = time.perf_counter()
+        if self.speculator is not None:
+            with record_function("propose"):
+                self.speculator.propose(self.scheduler.running)  # guesses join token_ids (chapter 12)
         with record_function("schedule"):
             schedule = self.scheduler.schedule()
+            if self.speculator is not None:
+                self.speculator.fit(schedule, self.scheduler.running, list(self.scheduler.waiting))
         if not schedule.seqs:
             if self.scheduler.has_unfinished() and not schedule.preempted:
                 raise RuntimeError(
@@ -206,16 +214,15 @@ class LLMEngine:
             for seq, n in zip(schedule.seqs, schedule.num_new_tokens):
                 seq.num_computed_tokens += n
             sampled = [schedule.seqs[i] for i in rows]
-            result = self.sampler(logits, sampled, self.eos_token_ids)
+            chosen = self._choose_tokens(logits, sampled)
+        if record is not None and self.speculator is not None:
+            record.accepted = {seq.request_id: len(tokens) - 1 for seq, (tokens, _) in zip(sampled, chosen)
+                               if seq.request_id in record.drafts}
         now = time.perf_counter()
         with record_function("finish"):
             touched: dict[str, SequenceGroup] = {}
-            for seq, token, top in zip(sampled, result.token_ids, result.logprobs):
-                seq.append_token(token, self.eos_token_ids, now, None if top is None else self._logprob_dict(top))
-                params = seq.params
-                streamed = params.stop or params.output_kind is RequestOutputKind.CUMULATIVE
-                if seq.text is not None and (streamed or seq.finish_reason is not None):
-                    seq.update_text()  # may find a stop string and finish the sequence
+            for seq, (tokens, tops) in zip(sampled, chosen):
+                self._append(seq, tokens, tops, now)
                 if seq.finish_reason is not None:
                     seq.finish_time = now
                     self.scheduler.finish(seq)
@@ -229,6 +236,44 @@ class LLMEngine:
         if record is not None:
             record.seconds = time.perf_counter() - start
         return outputs
+
+    def _choose_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[list[int], list]]:
+        """Each sequence's new tokens and their logprobs: one sampled token, or, after a verify
+        chunk (chapter 12), its accepted guesses and one more. logits holds 1 + D rows for a
+        sequence with D guesses, one for the others, in order."""
+        guessed = [i for i, seq in enumerate(seqs) if seq.num_spec_tokens]
+        if not guessed:
+            result = self.sampler(logits, seqs, self.eos_token_ids)
+            return [([token], [top]) for token, top in zip(result.token_ids, result.logprobs)]
+        first_row = [0]
+        for seq in seqs:
+            first_row.append(first_row[-1] + 1 + seq.num_spec_tokens)
+        plain = [i for i, seq in enumerate(seqs) if not seq.num_spec_tokens]
+        chosen: list[tuple[list[int], list]] = [([], [])] * len(seqs)
+        if plain:
+            result = self.sampler(logits[[first_row[i] for i in plain]], [seqs[i] for i in plain], self.eos_token_ids)
+            for i, token, top in zip(plain, result.token_ids, result.logprobs):
+                chosen[i] = ([token], [top])
+        rows = [r for i in guessed for r in range(first_row[i], first_row[i + 1])]
+        verdicts = self.speculator.verify(logits[rows], [seqs[i] for i in guessed], self.block_manager)
+        for i, verdict in zip(guessed, verdicts):
+            seqs[i].num_draft_tokens += verdict.num_guesses
+            seqs[i].num_accepted_tokens += len(verdict.token_ids) - 1
+            chosen[i] = (verdict.token_ids, verdict.logprobs)
+        return chosen
+
+    def _append(self, seq: Sequence, tokens: list[int], tops: list, now: float) -> None:
+        """Append a step's tokens one at a time, so that a stop token, a stop string or the
+        length ends the request exactly where one-token-a-step decoding would: nothing after."""
+        params = seq.params
+        streamed = params.stop or params.output_kind is RequestOutputKind.CUMULATIVE
+        for i, (token, top) in enumerate(zip(tokens, tops)):
+            seq.append_token(token, self.eos_token_ids, now, None if top is None else self._logprob_dict(top))
+            last = i == len(tokens) - 1 or seq.finish_reason is not None
+            if seq.text is not None and (params.stop or (last and (streamed or seq.finish_reason is not None))):
+                seq.update_text()  # may find a stop string and finish the sequence
+            if seq.finish_reason is not None:
+                return
 
     def _add_prompt_logprobs(self, schedule: SchedulerOutput, prompt_logits: dict[int, torch.Tensor]) -> None:
         """Logprobs of the prompt tokens this step computed, for the requests that asked. Row j
@@ -265,7 +310,8 @@ class LLMEngine:
         finished = group.is_finished
         metrics = RequestMetrics(min(seq.arrival_time for seq in seqs), min(first_tokens, default=None),
                                  max(seq.finish_time for seq in seqs) if finished else None,
-                                 sum(seq.num_preemptions for seq in seqs))
+                                 sum(seq.num_preemptions for seq in seqs), sum(seq.num_draft_tokens for seq in seqs),
+                                 sum(seq.num_accepted_tokens for seq in seqs))
         prompt_logprobs = None if group.prompt_logprobs is None else list(group.prompt_logprobs)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
                              prompt_logprobs, sum(seq.num_cached_tokens for seq in seqs))

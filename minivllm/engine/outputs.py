@@ -35,6 +35,10 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0  # times its KV cache was thrown away and recomputed
+    # Speculative decoding (chapter 12), over the request's completions: guesses the target
+    # verified, and how many it kept (each kept guess is a token that cost no forward pass of its own).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -172,6 +172,21 @@ class PrefixCachingBlockManager(BlockManager):
         if id(table) in self.owners:
             self._register_full_blocks(table, num_tokens)
 
+    def shrink(self, table: list[int], num_tokens: int) -> None:
+        """Chapter 6's shrink; the table's chain of hashes is cut to its remaining blocks, so the
+        next block it fills is named after its new parent, not after the block it replaced."""
+        super().shrink(table, num_tokens)
+        owner = self.owners.get(id(table))
+        if owner is not None:
+            del owner[1][len(table):]
+
+    def _give_back(self, block: int) -> None:
+        """shrink()'s one block: its owner lets go (chapter 12's rollback never reaches a named
+        block: named blocks hold only verified tokens, and those are kept)."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free.append(block)
+
     def _evict(self, block: int) -> None:
         """Forget what a free block held: its memory is about to be written."""
         assert self.ref_counts[block] == 0, f"block {block} is owned and cannot be evicted"
@@ -180,9 +195,12 @@ class PrefixCachingBlockManager(BlockManager):
             del self.cached[content]
 
     def _register_full_blocks(self, table: list[int], num_tokens: int) -> None:
-        """Name each block that the first num_tokens tokens fill (their K/V are written this step)."""
+        """Name each block that the first num_tokens tokens fill (their K/V are written this step).
+        A block that holds a guess not yet verified (chapter 12) is not named: its K/V may be
+        rolled back, so it waits until the tokens in it are the sequence's own."""
         seq, hashes = self.owners[id(table)]
-        for i in range(len(hashes), num_tokens // self.block_size):
+        known = seq.num_tokens - seq.num_spec_tokens
+        for i in range(len(hashes), min(num_tokens, known) // self.block_size):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
             # Another block may already hold the same content (two requests computed it side by

@@ -44,8 +44,9 @@ class StepArrays:
     query_start: np.ndarray  # [S + 1] cumulative tokens per sequence (cu_seqlens)
     context_lens: np.ndarray  # [S] cached tokens after this step
     block_tables: np.ndarray  # [S, W] physical blocks, -1 past each table's end
-    sample_rows: np.ndarray  # [R] row of the last token of each sequence that predicts a token
-    samplers: list[int]  # [R] which sequences those are (indices into the step's list)
+    sample_rows: np.ndarray  # [R] rows whose logits are needed: the last row of each sequence that
+    # predicts a token, or its last 1 + D rows when its chunk ends in D guesses (chapter 12)
+    samplers: list[int]  # which sequences those are (indices into the step's list), in row order
 
     @property
     def num_tokens(self) -> int:
@@ -122,8 +123,13 @@ def build_step_arrays(
     context_lens = past_lens + query_lens
     num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=S)
     samplers = np.flatnonzero(context_lens[:S] == num_tokens)  # caught up: the last row predicts a token
+    # A chunk that ends in D guesses (chapter 12) needs its last 1 + D rows: each row scores the
+    # next position, the guess after it or, after the last guess, the bonus token.
+    rows_each = 1 + np.fromiter((seqs[i].num_spec_tokens for i in samplers), dtype=np.int64, count=len(samplers))
+    first = np.repeat(query_start[samplers + 1] - rows_each, rows_each)
+    offset = np.arange(int(rows_each.sum())) - np.repeat(np.cumsum(rows_each) - rows_each, rows_each)
     return StepArrays(input_ids, positions, slot_mapping, query_start, context_lens, block_tables,
-                      query_start[samplers + 1] - 1, samplers.tolist())
+                      first + offset, samplers.tolist())
 
 
 def to_device(array: np.ndarray, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:

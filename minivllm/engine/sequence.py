@@ -43,12 +43,18 @@ class Sequence:
     group: SequenceGroup | None = field(default=None, repr=False)  # the request it belongs to
     token_ids: list[int] = field(init=False)  # prompt + output, the whole sequence
     num_computed_tokens: int = 0
+    # Chapter 12: guesses appended to token_ids for this step's verification, at its end. They
+    # live only inside one LLMEngine.step (proposed, scheduled, verified, rolled back) and are
+    # never output, counted as output, or cached under a prefix hash.
+    num_spec_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length", "stop" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (chapter 11)
+    num_draft_tokens: int = 0  # guesses verified for it (chapter 12)
+    num_accepted_tokens: int = 0  # of those, the ones the target kept
     first_token_time: float | None = None  # when its first output token was sampled
     finish_time: float | None = None
     generator: torch.Generator | None = None  # private randomness for sampled requests

@@ -31,6 +31,10 @@ class StepRecord:
     # several requests share counts for each of them, so with prefix caching kv_tokens can exceed kv_reserved_tokens)
     kv_reserved_tokens: int  # slots in the blocks they hold (kv_tokens / this = KV utilisation)
     cached_tokens: int = 0  # prompt tokens that requests admitted this step found in the prefix cache (chapter 11)
+    # Chapter 12: request id -> guesses in its verify chunk (a decode that scores 1 + D positions),
+    # and, filled in after verification, how many of them the target kept.
+    drafts: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0  # how long the step took (filled in after it ran)
 
     @property
@@ -39,7 +43,7 @@ class StepRecord:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + len(self.decode)
+        return self.num_prefill_tokens + len(self.decode) + sum(self.drafts.values())
 
 
 @dataclass
@@ -50,13 +54,16 @@ class Trace:
 
     def record(self, schedule: SchedulerOutput, scheduler: Scheduler) -> StepRecord:
         """Describe a plan before it runs (num_computed_tokens still holds the old values)."""
-        prefill, decode, recomputed = {}, [], 0
+        prefill, decode, recomputed, drafts = {}, [], 0, {}
         for seq, n in zip(schedule.seqs, schedule.num_new_tokens):
             start, seen = seq.num_computed_tokens, self.high_water.get(seq.request_id, 0)
-            recomputed += max(0, min(start + n, seen) - start)
-            self.high_water[seq.request_id] = max(seen, start + n)
-            if n == 1 and start == seq.num_tokens - 1 and start >= seq.num_prompt_tokens and start >= seen:
+            guesses = seq.num_spec_tokens  # a verify chunk: the newest token, then its guesses
+            recomputed += max(0, min(start + n - guesses, seen) - start)
+            self.high_water[seq.request_id] = max(seen, start + n - guesses)
+            if n == 1 + guesses and start == seq.num_tokens - n and start >= seq.num_prompt_tokens and start >= seen:
                 decode.append(seq.request_id)
+                if guesses:
+                    drafts[seq.request_id] = guesses
             else:
                 prefill[seq.request_id] = n
         scheduled = set(prefill) | set(decode)
@@ -68,7 +75,7 @@ class Trace:
             stalled=[s.request_id for s in scheduler.running if s.request_id not in scheduled],
             kv_tokens=sum(s.num_computed_tokens for s in scheduler.running) + schedule.total_tokens,
             kv_reserved_tokens=(manager.num_blocks - manager.num_free) * manager.block_size,
-            cached_tokens=manager.hit_tokens - self.hits_seen,
+            cached_tokens=manager.hit_tokens - self.hits_seen, drafts=drafts,
         )
         self.hits_seen = manager.hit_tokens
         self.steps.append(record)

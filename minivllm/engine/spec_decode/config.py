@@ -1,0 +1,69 @@
+"""What `LLM(model, speculative_config={...})` accepts (chapter 12), in vLLM's shape:
+
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    {"method": "draft_model", "model": SOURCE, "num_speculative_tokens": k}
+    {"model": SOURCE, "num_speculative_tokens": k}          (a model without a method: a draft model)
+
+SOURCE is anything load_model accepts (or a loaded minivllm Decoder). Checked here, once, as
+strictly as every engine setting: an unknown method or key, a k that is not an integer >= 1, or
+prompt_lookup_min > prompt_lookup_max is a ValueError. (Whether a draft's vocabulary matches
+the target's can only be checked once it is loaded: the draft proposer does that.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+# minivllm's defaults for prompt lookup when the config leaves them out: match the last 4 tokens
+# if they occur earlier, else the last 3, ... down to 1.
+PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN = 4, 1
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config[{name!r}] must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram" or "draft_model"
+    num_speculative_tokens: int  # k: guesses per sequence per step
+    prompt_lookup_max: int = PROMPT_LOOKUP_MAX  # ngram: the longest suffix looked up
+    prompt_lookup_min: int = PROMPT_LOOKUP_MIN  # ngram: the shortest
+    model: Any = None  # draft_model: the draft's source (a folder, hub id, config.json or Decoder)
+
+    @classmethod
+    def from_dict(cls, config: Any) -> SpeculativeConfig:
+        """The config a user wrote (a dict as above), checked; a SpeculativeConfig passes as it is."""
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 3}}, got {type(config).__name__}")
+        unknown = sorted(set(config) - KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; the keys are {sorted(KEYS)}")
+        method = config.get("method", "draft_model" if "model" in config else None)
+        if method not in METHODS:
+            raise ValueError(f"speculative_config['method'] must be one of {METHODS} (or leave it out and give a "
+                             f"'model'), got {method!r}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config needs 'num_speculative_tokens': how many tokens to guess per step")
+        k = _count("num_speculative_tokens", config["num_speculative_tokens"])
+        if method == "draft_model":
+            extra = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(config))
+            if extra:
+                raise ValueError(f"speculative_config: {extra} apply to method 'ngram', not to a draft model")
+            if config.get("model") is None:
+                raise ValueError("speculative_config for a draft model needs 'model': what load_model should load")
+            return cls("draft_model", k, model=config["model"])
+        if "model" in config:
+            raise ValueError("speculative_config: method 'ngram' looks up the sequence's own tokens and takes no 'model'")
+        high = _count("prompt_lookup_max", config.get("prompt_lookup_max", PROMPT_LOOKUP_MAX))
+        low = _count("prompt_lookup_min", config.get("prompt_lookup_min", min(PROMPT_LOOKUP_MIN, high)))
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
+        return cls("ngram", k, prompt_lookup_max=high, prompt_lookup_min=low)

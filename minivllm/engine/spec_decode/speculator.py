@@ -1,0 +1,158 @@
+"""What LLMEngine.step does differently with speculation on (chapter 12), in the order it happens:
+
+1. propose   every running sequence that is decoding gets up to k guesses, appended to its
+             token_ids (seq.num_spec_tokens counts them). To the scheduler a sequence with D
+             guesses is a sequence with 1 + D tokens to compute: a chunk, like chapter 5's.
+2. fit       after scheduling, guesses that did not fit the step (a smaller grant, a
+             preemption, no grant at all) are dropped, so every chunk ends at its last guess.
+3. (the model runs; the runner returns logits for the last 1 + D rows of each such chunk)
+4. verify    rejection sampling keeps a prefix of the guesses and draws one more token.
+5. rollback  the guesses leave token_ids, the computed-token count drops by the rejected ones,
+             and the blocks that held only rejected guesses go back to the pool.
+Then the engine appends the accepted guesses and the drawn token one at a time, so stop tokens,
+stop strings and max_tokens end a request exactly where plain decoding would.
+
+A sequence speculates only where exactness is simple: not while min_tokens still forbids its
+stop tokens, and not with penalties (both depend on the tokens before each position); those
+requests decode one token at a time. Guesses never run past max_tokens or the context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.logprobs import TopLogprobs, top_logprobs, unpack_logprobs
+from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.spec_decode.config import SpeculativeConfig
+from minivllm.engine.spec_decode.draft_model import DraftModelProposer
+from minivllm.engine.spec_decode.ngram import NgramProposer
+from minivllm.engine.spec_decode.rejection import rejection_sample, target_probs
+from minivllm.engine.spec_decode.rollback import rollback
+from minivllm.model import Decoder
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since the engine started, as vLLM reports them: a draft is one sequence's
+    guesses in one step; acceptance per position j counts drafts whose guess j + 1 was kept."""
+
+    k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_drafts_per_position: list[int] = field(default_factory=list)  # drafts that had a guess j + 1
+    num_accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_drafts_per_position = self.num_drafts_per_position or [0] * self.k
+        self.num_accepted_per_position = self.num_accepted_per_position or [0] * self.k
+
+    def add(self, num_guesses: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_guesses
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_guesses):
+            self.num_drafts_per_position[j] += 1
+            self.num_accepted_per_position[j] += j < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_draft(self) -> float:
+        """Tokens a speculating sequence gained per target forward (accepted guesses + 1)."""
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class Verified:
+    """One sequence's verdict: the tokens to append (accepted guesses, then the drawn one), each
+    token's logprobs (None where the request did not ask), and how many guesses there were."""
+
+    token_ids: list[int]
+    logprobs: list[TopLogprobs | None]
+    num_guesses: int
+
+
+def may_speculate(seq: Sequence) -> bool:
+    """Decoding (its newest token is all it has left to compute), and nothing about its next
+    token depends on the tokens before it in a way the verify chunk would not see."""
+    return (seq.num_computed_tokens == seq.num_tokens - 1 and seq.num_output_tokens > 0
+            and not seq.params.penalised and seq.num_output_tokens >= seq.params.min_tokens)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, target: Decoder, engine: EngineConfig):
+        self.config = config
+        self.proposer = (NgramProposer(config) if config.method == "ngram"
+                         else DraftModelProposer(config, target, engine))
+        self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.draft_probs: dict[Sequence, torch.Tensor] = {}  # q of each sequence's guesses, this step
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Step 1: append guesses to every running sequence that may speculate."""
+        seqs = [seq for seq in running if may_speculate(seq)]
+        limits = [min(self.config.num_speculative_tokens, seq.max_total_tokens - seq.num_tokens) for seq in seqs]
+        guesses, dists = self.proposer.propose(seqs, limits)
+        for seq, tokens, q in zip(seqs, guesses, dists or [None] * len(seqs)):
+            seq.token_ids += tokens
+            seq.num_spec_tokens = len(tokens)
+            if q is not None:
+                self.draft_probs[seq] = q
+
+    def fit(self, schedule: SchedulerOutput, running: list[Sequence], waiting: list[Sequence]) -> None:
+        """Step 2: keep only the guesses each sequence's grant covers; none for the others."""
+        granted = dict(zip(schedule.seqs, schedule.num_new_tokens))
+        for seq in [*running, *waiting]:
+            if seq.num_spec_tokens == 0:
+                continue
+            real_left = seq.num_tokens - seq.num_spec_tokens - seq.num_computed_tokens
+            keep = max(0, min(seq.num_spec_tokens, granted.get(seq, 0) - real_left)) if seq in granted else 0
+            drop = seq.num_spec_tokens - keep
+            del seq.token_ids[len(seq.token_ids) - drop:]
+            seq.num_spec_tokens = keep
+            if seq in self.draft_probs:
+                self.draft_probs[seq] = self.draft_probs[seq][:keep]
+
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence], block_manager: BlockManager) -> list[Verified]:
+        """Steps 4 and 5 for sequences that ran a verify chunk: logits holds 1 + D_s rows for
+        each, in order (the rows of its last real token and of every guess)."""
+        S, K = len(seqs), max(seq.num_spec_tokens for seq in seqs)
+        V, device = logits.shape[-1], logits.device
+        probs = torch.zeros(S, K + 1, V, device=device)
+        drafts = torch.full((S, K), -1, dtype=torch.long, device=device)
+        q = None if not any(seq in self.draft_probs for seq in seqs) else torch.zeros(S, K, V, device=device)
+        uniforms, noise = torch.empty(S, K, device=device), torch.empty(S, V, device=device)
+        starts, start = [], 0
+        for s, seq in enumerate(seqs):
+            D = seq.num_spec_tokens
+            starts.append(start)
+            probs[s, :D + 1] = target_probs(logits[start:start + D + 1], seq.params)
+            drafts[s, :D] = torch.tensor(seq.token_ids[-D:], device=device)
+            if q is not None:  # a certain guess (greedy, or a lookup) is a one-hot q
+                q[s, :D] = self.draft_probs.get(seq, probs.new_zeros(D, V).scatter_(1, drafts[s, :D, None], 1.0))
+            uniforms[s].uniform_(generator=seq.generator)
+            noise[s].exponential_(generator=seq.generator)
+            start += D + 1
+        num_drafts = torch.tensor([seq.num_spec_tokens for seq in seqs], device=device)
+        tokens, accepted = rejection_sample(probs, drafts, num_drafts, q, uniforms, noise)
+        tokens, accepted = tokens.tolist(), accepted.tolist()
+        raw = logits.float().log_softmax(dim=-1)
+        verdicts = []
+        for s, seq in enumerate(seqs):
+            out = tokens[s][:accepted[s] + 1]
+            tops: list[TopLogprobs | None] = [None] * len(out)
+            if seq.params.logprobs is not None:
+                rows = raw[starts[s]:starts[s] + len(out)]
+                packed = top_logprobs(rows, torch.tensor(out, device=device), seq.params.logprobs).tolist()
+                tops = unpack_logprobs(packed, [seq.params.logprobs] * len(out))
+            verdicts.append(Verified(out, tops, seq.num_spec_tokens))
+            self.stats.add(seq.num_spec_tokens, accepted[s])
+            rollback(seq, seq.num_spec_tokens - accepted[s], block_manager)
+            self.draft_probs.pop(seq, None)
+        return verdicts
