@@ -19,6 +19,7 @@ from minivllm.config import ModelConfig
 from minivllm.model import Decoder
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
+DRAFT_MODEL = Path(__file__).parent / "draft_model"  # same tokenizer, ~1M parameters: speculative decoding
 CONFIGS = Path(__file__).parent / "configs"  # real model shapes, for random-weight benchmarks
 SUPPORTED = ("llama", "qwen2", "qwen3")
 

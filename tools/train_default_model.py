@@ -7,7 +7,15 @@ of the standard library.
 
     python tools/train_default_model.py --out minivllm/default_model --minutes 50
 
-Steps: collect the corpus, train a byte-level BPE tokenizer, build a small
+It also makes the draft model for speculative decoding (chapter 12): a much
+smaller model that must share the default model's vocabulary, so it reuses
+that tokenizer (copied byte for byte) instead of training its own:
+
+    python tools/train_default_model.py --out minivllm/draft_model --tokenizer minivllm/default_model \
+        --hidden 128 --layers 2 --heads 2 --kv-heads 1 --intermediate 352 --minutes 30 --threads 1 \
+        --figure figures/draft_model_loss.png
+
+Steps: collect the corpus, train a byte-level BPE tokenizer (or load one), build a small
 Qwen3-architecture model, train it with a plain PyTorch loop, save a Hugging
 Face folder (so `transformers.AutoModelForCausalLM` loads it) plus a loss plot
 and a `training_log.json`. Everything random is seeded. A `--minutes` run
@@ -22,6 +30,7 @@ import json
 import math
 import platform
 import random
+import shutil
 import sys
 import sysconfig
 import time
@@ -33,6 +42,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 EOS = "<|endoftext|>"
+# What save_pretrained writes for a fast tokenizer; --tokenizer copies whichever of these exist.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test"}
 MAX_FILE_BYTES = 16 * 2**20
 
@@ -75,6 +86,14 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS, pad_token=EOS, clean_up_tokenization_spaces=False
     )
+
+
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    """An existing model's tokenizer: a draft model must propose tokens from the target's vocabulary."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    if tokenizer.eos_token != EOS:  # the corpus stream separates files with this exact token
+        raise SystemExit(f"{folder}: EOS is {tokenizer.eos_token!r}, expected {EOS!r}")
+    return tokenizer
 
 
 def encode_files(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:
@@ -188,7 +207,7 @@ def train(model: Qwen3ForCausalLM, stream: torch.Tensor, held_windows: torch.Ten
     return history
 
 
-def plot_history(history: list[dict], path: Path) -> None:
+def plot_history(history: list[dict], path: Path, title: str) -> None:
     """Train and held-out loss against step."""
     import matplotlib
 
@@ -200,7 +219,7 @@ def plot_history(history: list[dict], path: Path) -> None:
     ax.plot([r["step"] for r in rows], [r["train_loss"] for r in rows], label="train (mean since last eval)")
     ax.plot([r["step"] for r in history], [r["held_out_loss"] for r in history], "o-", ms=3,
             label="held-out stdlib files")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats / token)", title="minivllm default model",
+    ax.set(xlabel="step", ylabel="cross-entropy (nats / token)", title=title,
            ylim=(0, None))
     ax.grid(alpha=0.3)
     ax.legend()
@@ -219,11 +238,22 @@ def hardware() -> str:
     return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
-def save(out: Path, model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, log: dict) -> None:
-    """A standard Hugging Face folder plus training_log.json."""
+def save(out: Path, model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, log: dict,
+         tokenizer_from: Path | None = None) -> None:
+    """A standard Hugging Face folder plus training_log.json.
+
+    A reused tokenizer is copied file by file rather than re-saved: save_pretrained
+    may rewrite the JSON (another transformers version, another key order), and the
+    draft's tokenizer files should be byte-identical to the target's.
+    """
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    if tokenizer_from is None:
+        tokenizer.save_pretrained(out)
+    else:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_from / name).exists():
+                shutil.copyfile(tokenizer_from / name, out / name)
     eos = tokenizer.eos_token_id
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False).save_pretrained(out)
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
@@ -235,7 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=50.0, help="time budget (ignored with --steps)")
     p.add_argument("--steps", type=int, default=None, help="exact number of steps (reproducible)")
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=4096, help="size of the tokenizer to train (not with --tokenizer)")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="FOLDER",
+                   help="reuse this model folder's tokenizer (copied as-is) instead of training one")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=704, help="704, not 768: fp32 weights stay under 16 MiB")
@@ -258,7 +290,8 @@ def load_corpus(args: argparse.Namespace) -> tuple[PreTrainedTokenizerFast, torc
     train_files, held_files = split_files(stdlib_files(), args.held_out, args.seed)
     train_texts = [f.read_text(encoding="utf-8") for f in train_files]
     held_texts = [f.read_text(encoding="utf-8") for f in held_files]
-    tokenizer = train_tokenizer(train_texts, args.vocab)
+    # Same files, same split either way: only where the vocabulary comes from changes.
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else train_tokenizer(train_texts, args.vocab)
     stream, held = encode_files(tokenizer, train_texts), encode_files(tokenizer, held_texts)
     # Non-overlapping held-out windows, fixed for the whole run so evaluations are comparable.
     n_windows = len(held) // (args.context + 1)
@@ -302,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
         "precision": "bf16 autocast, fp32 weights" if args.bf16 else "fp32",
         "history": history,
     }
-    save(args.out, model, tokenizer, log)
-    plot_history(history, args.figure)
+    save(args.out, model, tokenizer, log, args.tokenizer)
+    plot_history(history, args.figure, f"minivllm {args.out.name.replace('_', ' ')}")
     print(f"saved {args.out} ({steps} steps, held-out loss {final_held:.3f}) and {args.figure}")
 
 
