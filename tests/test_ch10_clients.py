@@ -3,7 +3,8 @@ prompts (texts and token-id lists, n > 1, streamed and not) answer choice p * n 
 LLM.generate gives prompt p; echo returns the prompt, and its logprobs equal transformers'
 log-softmax of the prompt (the first null), also with max_tokens 0 (how lm-evaluation-harness
 scores loglikelihoods); a max_tokens the context cannot hold and logprobs above --max-logprobs
-are 400s with OpenAI's error body, and the server keeps serving.
+are 400s with OpenAI's error body, and the server keeps serving; --api-key (or
+MINIVLLM_API_KEY) closes /v1 to requests without the key, and leaves /health and /metrics open.
 
 Servers run in a thread on 127.0.0.1 (a port the OS picks) on the embedded model and its real
 tokenizer; the reference is the same checkpoint loaded by transformers. Every wait is bounded.
@@ -11,6 +12,7 @@ tokenizer; the reference is the same checkpoint loaded by transformers. Every wa
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from collections import defaultdict
@@ -25,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from minivllm import DEFAULT_MODEL, LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
 from minivllm.engine.outputs import CompletionOutput, RequestOutput
 from minivllm.serving import threaded
+from minivllm.serving.auth import APIKeyMiddleware
 from minivllm.serving.protocol import Echo
 from minivllm.serving.sse import Chunks, stream_events
 
@@ -374,3 +377,90 @@ def test_max_logprobs_is_the_servers_setting(default_model):
     for bad in (-1, 2.0, True, "20"):
         with pytest.raises(ValueError, match="max_logprobs"):
             threaded.build_app(LLMEngine(default_model, num_kv_blocks=8), MODEL, max_logprobs=bad)
+
+
+# ---- --api-key ----
+
+KEY = "sk-minivllm-test-key"
+
+
+def check_access(url: str, key: str) -> None:
+    """/v1 answers 401 without the key or with a wrong one, 200 with it; /health and /metrics are open."""
+    messages = [{"role": "user", "content": "x"}]
+    for wrong in ("wrong", KEY + "x", KEY[:-1]):
+        with pytest.raises(openai.AuthenticationError) as caught:
+            client(url, wrong).completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+    with httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                             ("GET", "/v1/nothing-here")):
+            response = http.request(method, path, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+            assert response.json()["error"]["type"] == "invalid_request_error"
+            assert http.request(method, path, headers={"Authorization": f"Basic {key}"}).status_code == 401
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        assert http.get("/v1/models", headers={"Authorization": f"bearer {key}"}).status_code == 200
+    good = client(url, key)
+    assert good.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    assert len(list(good.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True))) >= 1
+    assert good.models.list().data[0].id == MODEL
+    with pytest.raises(openai.BadRequestError, match="chat template"):  # through the door, then refused for itself
+        good.chat.completions.create(model=MODEL, messages=messages)
+
+
+def test_api_key_closes_v1_and_leaves_health_and_metrics_open(default_model):
+    with threaded.running_server(LLMEngine(default_model, tokenizer=load_tokenizer(), num_kv_blocks=64), MODEL,
+                                 api_key=KEY) as (url, _):
+        check_access(url, KEY)
+
+
+def test_api_key_from_the_environment_variable(default_model, monkeypatch):
+    from minivllm.cli import build_parser, server_options
+
+    monkeypatch.setenv("MINIVLLM_API_KEY", KEY)
+    options = server_options(build_parser().parse_args(["serve"]))
+    assert options["api_key"] == KEY
+    assert server_options(build_parser().parse_args(["serve", "--api-key", "other"]))["api_key"] == "other"
+    with threaded.running_server(LLMEngine(default_model, tokenizer=load_tokenizer(), num_kv_blocks=64), MODEL,
+                                 **options) as (url, _):
+        check_access(url, KEY)
+    monkeypatch.setenv("MINIVLLM_API_KEY", "")
+    assert server_options(build_parser().parse_args(["serve"]))["api_key"] is None  # empty: no key, an open server
+    monkeypatch.delenv("MINIVLLM_API_KEY")
+    assert server_options(build_parser().parse_args(["serve"]))["api_key"] is None
+
+
+def test_keys_are_compared_in_constant_time_on_digests(monkeypatch):
+    """Every check goes through hmac.compare_digest, on two 32-byte SHA-256 digests: the time it
+    takes depends on neither how much of a guess is right nor how long the key is."""
+    compared, compare = [], hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((len(a), len(b)))
+        return compare(a, b)
+
+    monkeypatch.setattr("minivllm.serving.auth.hmac.compare_digest", spy)
+    middleware = APIKeyMiddleware(None, KEY)
+
+    def scope(value: bytes | None) -> dict:
+        return {"headers": [] if value is None else [(b"authorization", value)]}
+
+    assert middleware.authorized(scope(f"Bearer {KEY}".encode()))
+    for wrong in (b"Bearer x", f"Bearer {KEY}{KEY}".encode(), f"Bearer {KEY[:-1]}".encode(), b"", None):
+        assert not middleware.authorized(scope(wrong))
+    assert compared == [(32, 32)] * 6
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "ключ", "tab\there", 12345, b"bytes"])
+def test_keys_a_client_cannot_send_are_refused(default_model, bad):
+    with pytest.raises(ValueError, match="API key"):
+        threaded.build_app(LLMEngine(default_model, num_kv_blocks=8), MODEL, api_key=bad)
+
+
+def test_serve_flags_reach_the_app():
+    from minivllm.cli import build_parser, server_options
+
+    options = server_options(build_parser().parse_args(["serve", "--max-logprobs", "5", "--api-key", KEY,
+                                                        "--scheduler", "static", "--static-batch-size", "4"]))
+    assert options == {"max_waiting": 512, "static_batch_size": 4, "max_logprobs": 5, "api_key": KEY}
+    assert server_options(build_parser().parse_args(["serve"]))["max_logprobs"] == 20  # vLLM's default

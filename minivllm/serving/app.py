@@ -13,6 +13,7 @@ the others. Bad input is answered with OpenAI's error body and a 4xx before the 
 reaches the engine (or, for what only the engine can judge, as soon as it refuses). Like vLLM's
 server, this one tokenizes the prompts itself, so that it can refuse a max_tokens the context
 cannot hold (400, never a silent cap) before queueing anything, and hands the engine token ids.
+With an API key (`api_key`), every /v1 route wants it (auth.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.machine import environment
 from minivllm.serving.async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream, merge
+from minivllm.serving.auth import APIKeyMiddleware, check_api_key
 from minivllm.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Echo, chat_response,
                                        check_max_tokens, completion_response, error_body, prompt_only)
 from minivllm.serving.sse import Chunks, stream_events
@@ -48,11 +50,14 @@ class ClientGone(Exception):
 
 
 def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static_batch_size: int | None = None,
-              max_logprobs: int = MAX_LOGPROBS) -> FastAPI:
+              max_logprobs: int = MAX_LOGPROBS, api_key: str | None = None) -> FastAPI:
     """The server for one engine. `model_name` is what requests must name in "model";
-    max_logprobs: the most alternatives per token a request may ask for (more is a 400)."""
+    max_logprobs: the most alternatives per token a request may ask for (more is a 400);
+    api_key: None leaves the server open, a key makes every /v1 route want it."""
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
         raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+    if api_key is not None:
+        check_api_key(api_key)
     async_engine = AsyncEngine(engine, max_waiting, static_batch_size)
 
     @asynccontextmanager
@@ -63,6 +68,8 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.state.engine = async_engine
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
