@@ -51,7 +51,14 @@ def _serve(args: argparse.Namespace) -> None:
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.machine import device_name
     from minivllm.serving.app import build_app
+    from minivllm.serving.auth import check_api_key
 
+    options = server_options(args)
+    if options["api_key"] is not None:
+        try:
+            check_api_key(options["api_key"])  # before minutes of loading, not after
+        except ValueError as err:
+            raise SystemExit(f"minivllm serve: {err}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # the CPU threads of the model's operations
     engine = LLMEngine(args.model, **engine_options(args))
@@ -61,7 +68,6 @@ def _serve(args: argparse.Namespace) -> None:
         path = Path(args.chat_template)
         engine.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
     name = args.served_model_name or args.model or "minivllm-default"
-    options = server_options(args)
     try:
         app = build_app(engine, name, **options)
     except ValueError as err:
