@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,32 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching)
 
 
+def server_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`minivllm serve`'s server settings as build_app keywords. The API key comes from --api-key,
+    else from the environment variable MINIVLLM_API_KEY (a key in a command line shows in `ps`);
+    neither: the server is open."""
+    from minivllm.serving.auth import API_KEY_VARIABLE
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+    static_batch_size = args.static_batch_size if args.scheduler == "static" else None
+    return dict(max_waiting=args.max_waiting, static_batch_size=static_batch_size, max_logprobs=args.max_logprobs,
+                api_key=api_key)
+
+
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.machine import device_name
     from minivllm.serving.app import build_app
+    from minivllm.serving.auth import check_api_key
 
+    options = server_options(args)
+    if options["api_key"] is not None:
+        try:
+            check_api_key(options["api_key"])  # before minutes of loading, not after
+        except ValueError as err:
+            raise SystemExit(f"minivllm serve: {err}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # the CPU threads of the model's operations
     engine = LLMEngine(args.model, **engine_options(args))
@@ -48,12 +68,15 @@ def _serve(args: argparse.Namespace) -> None:
         path = Path(args.chat_template)
         engine.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
     name = args.served_model_name or args.model or "minivllm-default"
-    static = args.static_batch_size if args.scheduler == "static" else None
-    app = build_app(engine, name, max_waiting=args.max_waiting, static_batch_size=static)
-    cfg, model = engine.model.config, engine.model
+    try:
+        app = build_app(engine, name, **options)
+    except ValueError as err:
+        raise SystemExit(f"minivllm serve: {err}")
+    cfg, model, static = engine.model.config, engine.model, options["static_batch_size"]
     print(f"serving {name!r}: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, on "
           f"{device_name(model.device)}, {str(model.dtype).removeprefix('torch.')}; {args.scheduler} scheduler"
-          + (f" (batches of {static})" if static else "") + f"; http://{args.host}:{args.port}/v1")
+          + (f" (batches of {static})" if static else "") + f"; http://{args.host}:{args.port}/v1"
+          + ("; /v1 wants the API key" if options["api_key"] else ""))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
@@ -96,6 +119,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
                        help="static: batches of --static-batch-size that run until their longest request is done")
     serve.add_argument("--static-batch-size", type=int, default=16)
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="the most logprobs alternatives a request may ask for (more: 400), as vLLM's")
+    serve.add_argument("--api-key", default=None,
+                       help="every /v1 route wants `Authorization: Bearer KEY` (default: $MINIVLLM_API_KEY, else open)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) for models without one")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the model (default: torch's); leave a core to the event loop and clients")

@@ -464,8 +464,8 @@ def test_event_stream_framing():
     async def collect() -> list[str]:
         async def agen():
             for o in outputs:
-                yield o
-        return [e async for e in stream_events(agen(), Chunks("cmpl-1", 0, MODEL, chat=True), 1, include_usage=True)]
+                yield 0, o  # (prompt index, output)
+        return [e async for e in stream_events(agen(), Chunks("cmpl-1", 0, MODEL, chat=True), include_usage=True)]
 
     events = asyncio.run(collect())
     assert all(e.startswith("data: ") and e.endswith("\n\n") for e in events) and events[-1] == DONE

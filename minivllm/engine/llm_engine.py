@@ -106,7 +106,7 @@ class LLMEngine:
                              f"the engine's own), got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self.tokenize(prompt)
         self._check_params(params)
         group = SequenceGroup(request_id, text, token_ids, params,
                               prompt_logprobs=None if params.prompt_logprobs is None else [None])
@@ -130,8 +130,11 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request_id
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(the text or None, the token ids), refusing prompts that cannot be served."""
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(the text or None, the token ids), refusing with ValueError the prompts that cannot be
+        served. add_request calls it; a server calls it first, to know a prompt's length before
+        queueing it (then passes the token ids). It reads only what never changes (tokenizer,
+        vocabulary, max_model_len), so any thread may call it."""
         if isinstance(prompt, dict):
             keys = set(prompt)
             if len(keys) != 1 or not keys <= {"prompt", "prompt_token_ids"}:

@@ -5,6 +5,7 @@
     async_engine.py  one thread owns and steps the LLMEngine; asyncio streams per request
     metrics.py       Prometheus metrics: queue, KV cache, tokens, latency histograms
     app.py           the FastAPI routes
+    auth.py          --api-key: /v1 wants `Authorization: Bearer KEY`
     threaded.py      a server on a thread of its own, for notebooks, chapter scripts and tests
 
 The server sits above `LLMEngine` and uses only its public methods (add_request, step,

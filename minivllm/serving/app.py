@@ -1,6 +1,6 @@
 """The HTTP routes (chapter 10): an OpenAI-compatible API over the background engine.
 
-    POST /v1/completions        a prompt (text or token ids) -> its completion(s)
+    POST /v1/completions        a prompt (text or token ids), or a batch of them -> completion(s)
     POST /v1/chat/completions   messages -> the checkpoint's chat template -> completion(s)
     GET  /v1/models             the one model this server serves
     GET  /health                200 while the engine thread runs
@@ -10,15 +10,19 @@
 Every handler is a coroutine that only validates, hands the request to the engine thread and
 relays what comes back: nothing here waits on the model, so one slow request never holds up
 the others. Bad input is answered with OpenAI's error body and a 4xx before the request ever
-reaches the engine (or, for what only the engine can judge, as soon as it refuses).
+reaches the engine (or, for what only the engine can judge, as soon as it refuses). Like vLLM's
+server, this one tokenizes the prompts itself, so that it can refuse a max_tokens the context
+cannot hold (400, never a silent cap) before queueing anything, and hands the engine token ids.
+With an API key (`api_key`), every /v1 route wants it (auth.py).
 """
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -28,31 +32,32 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from minivllm.engine.llm import render_chat
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.machine import environment
-from minivllm.serving.async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream
-from minivllm.serving.protocol import (ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
-                                       error_body)
+from minivllm.serving.async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream, merge
+from minivllm.serving.auth import APIKeyMiddleware, check_api_key
+from minivllm.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Echo, chat_response,
+                                       check_max_tokens, completion_response, error_body, prompt_only)
 from minivllm.serving.sse import Chunks, stream_events
 
 T = TypeVar("T")
-
-
-class APIError(Exception):
-    """An answer other than 200: becomes OpenAI's error body with this status."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+MAX_LOGPROBS = 20  # vLLM's default cap on the alternatives per token a request may ask for
 
 
 class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
-def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static_batch_size: int | None = None) -> FastAPI:
-    """The server for one engine. `model_name` is what requests must name in "model"."""
+def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static_batch_size: int | None = None,
+              max_logprobs: int = MAX_LOGPROBS, api_key: str | None = None) -> FastAPI:
+    """The server for one engine. `model_name` is what requests must name in "model";
+    max_logprobs: the most alternatives per token a request may ask for (more is a 400);
+    api_key: None leaves the server open, a key makes every /v1 route want it."""
+    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
+        raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+    if api_key is not None:
+        check_api_key(api_key)
     async_engine = AsyncEngine(engine, max_waiting, static_batch_size)
 
     @asynccontextmanager
@@ -63,11 +68,17 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.state.engine = async_engine
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if err.status == 503 else None
         return JSONResponse(error_body(err.message, err.kind, err.param, err.code), err.status, headers=headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, err: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client is gone
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -79,58 +90,114 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
                            param="model", code="model_not_found")
 
-    async def submit(request_id: str, prompt: str | list[int], make_params: Any, request: Request) -> RequestStream:
-        """Hand a request to the engine thread; every refusal becomes its 4xx or 503."""
-        try:
-            params: SamplingParams = make_params()
-            return await unless_disconnected(request, async_engine.add(request_id, prompt, params))
-        except ValueError as err:
-            raise APIError(400, str(err))
-        except Overloaded as err:
-            raise APIError(503, str(err), kind="server_overloaded")
-        except EngineDead as err:
-            raise APIError(503, str(err), kind="engine_unavailable")
+    def tokenized(prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+        """Each prompt's (text or None, token ids), through the engine's own tokenize; a prompt it
+        refuses is a 400 that says which one."""
+        pairs = []
+        for i, prompt in enumerate(prompts):
+            try:
+                pairs.append(engine.tokenize(prompt))
+            except ValueError as err:
+                raise APIError(400, f"prompt {i}: {err}" if len(prompts) > 1 else str(err), param="prompt")
+        return pairs
 
-    async def answer(stream: RequestStream, chunks: Chunks, n: int, include_usage: bool, streaming: bool,
-                     request: Request, respond: Any) -> Response:
-        """Stream the outputs as server-sent events, or wait for the last and answer once."""
+    def check_fit(name: str, max_tokens: int | None, prompts: list[list[int]]) -> None:
+        """Every prompt and max_tokens within the context (check_max_tokens), or a 400."""
+        for i, prompt in enumerate(prompts):
+            where = f"prompt {i}: " if len(prompts) > 1 else ""
+            check_max_tokens(name, max_tokens, len(prompt), engine.max_model_len, where)
+
+    async def submit(request_id: str, prompts: list[list[int]], params: SamplingParams,
+                     request: Request) -> list[RequestStream]:
+        """Hand every prompt to the engine thread at once (they join the same step). If one is
+        refused, the others are taken back, and the refusal becomes its 4xx or 503. One prompt
+        runs under the request's id, a batch's under id-0, id-1, ... (as in vLLM)."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        adds = asyncio.gather(*(async_engine.add(i, p, params) for i, p in zip(ids, prompts)), return_exceptions=True)
+        try:
+            results = await unless_disconnected(request, adds)
+        except ClientGone:
+            for i in ids:  # the ones already taken in, and those still on their way (unknown ids are ignored)
+                async_engine.abort(i)
+            raise
+        refusals = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if not refusals:
+            return results
+        for i, result in zip(ids, results):
+            if isinstance(result, RequestStream):
+                async_engine.abort(i)
+        i, err = refusals[0]
+        where = f"prompt {i}: " if len(prompts) > 1 else ""
+        if isinstance(err, ValueError):
+            raise APIError(400, f"{where}{err}")
+        if isinstance(err, Overloaded):
+            raise APIError(503, str(err), kind="server_overloaded")
+        if isinstance(err, EngineDead):
+            raise APIError(503, str(err), kind="engine_unavailable")
+        raise err
+
+    async def answer(streams: list[RequestStream], chunks: Chunks, include_usage: bool, streaming: bool,
+                     request: Request, respond: Callable[[list[RequestOutput]], dict[str, Any]],
+                     shown: Callable[[RequestOutput], RequestOutput] | None = None) -> Response:
+        """Stream the outputs as server-sent events, or wait for every prompt's last output and
+        answer once (respond: the prompts' final outputs -> the body). shown: what the client
+        sees of an output (prompt_only, to score a prompt), or None for all of it."""
+        shown = shown or (lambda output: output)
         if streaming:
-            return StreamingResponse(abort_if_left(stream, stream_events(stream, chunks, n, include_usage)),
+            outputs = ((i, shown(output)) async for i, output in merge(streams))
+            return StreamingResponse(abort_if_left(streams, stream_events(outputs, chunks, include_usage)),
                                      media_type="text/event-stream")
         try:
-            output = await unless_disconnected(request, stream.final())
+            outputs = await unless_disconnected(request, asyncio.gather(*(s.final() for s in streams)))
         except ClientGone:
-            async_engine.abort(stream.request_id)
-            return Response(status_code=499)  # nobody reads it: the client is gone
-        return JSONResponse(respond(output, chunks.request_id, chunks.created, model_name, chunks.top_logprobs))
+            for stream in streams:
+                async_engine.abort(stream.request_id)
+            raise
+        return JSONResponse(respond([shown(output) for output in outputs]))
 
-    async def abort_if_left(stream: RequestStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def abort_if_left(streams: list[RequestStream], events: AsyncIterator[str]) -> AsyncIterator[str]:
         """Relay the events; if the client disconnects first, Starlette cancels this generator
-        at its current `await`, and the `finally` aborts the request (its KV blocks are freed
-        before the engine's next step)."""
+        at its current `await`, and the `finally` aborts the requests still running (their KV
+        blocks are freed before the engine's next step)."""
         try:
             async for event in events:
                 yield event
         finally:
-            if not stream.done:
-                async_engine.abort(stream.request_id)
+            for stream in streams:
+                if not stream.done:
+                    async_engine.abort(stream.request_id)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await submit(request_id, body.prompt, body.sampling_params, request)
-        chunks = Chunks(request_id, int(time.time()), model_name, chat=False, top_logprobs=body.top_logprobs_wanted)
-        return await answer(stream, chunks, body.n, body.include_usage, body.stream, request, completion_response)
+        body.check_logprobs(max_logprobs)
+        params = bad_request_unless(body.sampling_params)
+        texts, prompts = zip(*tokenized(body.prompts()))
+        check_fit("max_tokens", body.max_tokens, prompts)
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        streams = await submit(request_id, list(prompts), params, request)
+        echo = [echo_of(text, ids, engine.get_tokenizer()) for text, ids in zip(texts, prompts)] if body.echo else None
+        chunks = Chunks(request_id, created, model_name, chat=False, top_logprobs=body.top_logprobs_wanted, n=body.n,
+                        echo=echo)
+        respond = partial(completion_response, request_id=request_id, created=created, model=model_name,
+                          top_logprobs=body.top_logprobs_wanted, echo=echo,
+                          show_prompt_logprobs=body.prompt_logprobs is not None)
+        return await answer(streams, chunks, body.include_usage, body.stream, request, respond,
+                            prompt_only if body.scores_only else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        body.check_logprobs(max_logprobs)
+        params = bad_request_unless(body.sampling_params)
         prompt = chat_prompt(engine.get_tokenizer(), [m.as_template_input() for m in body.messages], model_name)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await submit(request_id, prompt, body.sampling_params, request)
-        chunks = Chunks(request_id, int(time.time()), model_name, chat=True, top_logprobs=body.top_logprobs_wanted)
-        return await answer(stream, chunks, body.n, body.include_usage, body.stream, request, chat_response)
+        check_fit(*body.max_tokens_field, [prompt])
+        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        streams = await submit(request_id, [prompt], params, request)
+        chunks = Chunks(request_id, created, model_name, chat=True, top_logprobs=body.top_logprobs_wanted, n=body.n)
+        respond = partial(chat_response, request_id=request_id, created=created, model=model_name,
+                          top_logprobs=body.top_logprobs_wanted)
+        return await answer(streams, chunks, body.include_usage, body.stream, request, respond)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -161,6 +228,22 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
         }
 
     return app
+
+
+def bad_request_unless(make: Callable[[], T]) -> T:
+    """make(), with a ValueError (a value the engine refuses) as a 400."""
+    try:
+        return make()
+    except ValueError as err:
+        raise APIError(400, str(err))
+
+
+def echo_of(text: str | None, token_ids: list[int], tokenizer: Any) -> Echo:
+    """What echo sends back of a prompt: its text as given, or its token ids decoded (without
+    a tokenizer: no text, and the first token by its id, as logprobs name tokens then)."""
+    if tokenizer is None:
+        return Echo(text or "", f"token_id:{token_ids[0]}")
+    return Echo(tokenizer.decode(token_ids) if text is None else text, tokenizer.decode(token_ids[:1]))
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]], model_name: str) -> list[int]:
@@ -204,6 +287,8 @@ def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | 
             messages.append(f"malformed JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
         elif e.get("type") == "extra_forbidden":
             messages.append(f"unknown or unsupported field `{field}`")
+        elif e.get("type") == "value_error":  # a validator's own sentence, without pydantic's "Value error, "
+            messages.append(f"{field}: {e.get('ctx', {}).get('error', e.get('msg'))}")
         else:
             messages.append(f"{field}: {e.get('msg')}" if field else str(e.get("msg")))
         params.append(field)

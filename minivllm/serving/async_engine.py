@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -89,6 +89,27 @@ class RequestStream:
             pass
         assert output is not None and output.finished
         return output
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several streams (a request's prompts) as they come, each as (its stream's
+    index, output), until every stream has finished. One read waits on each unfinished stream;
+    those left waiting when the reader stops (a client gone) are cancelled."""
+    def read(i: int) -> asyncio.Future:
+        return asyncio.ensure_future(anext(streams[i]))
+
+    waiting = {read(i): i for i in range(len(streams))}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for read_done in sorted(done, key=waiting.get):  # outputs of one step: in prompt order
+                i = waiting.pop(read_done)
+                yield i, read_done.result()  # an engine failure is raised here
+                if not streams[i].done:
+                    waiting[read(i)] = i
+    finally:
+        for pending in waiting:
+            pending.cancel()
 
 
 @dataclass

@@ -4,21 +4,58 @@ become the engine's SamplingParams (vLLM's names, so the mapping is mostly one t
 The models are strict, like the rest of minivllm: a string where a number belongs is refused,
 not converted, and a field OpenAI does not know is refused too (OpenAI answers "Unrecognized
 request argument"). Fields OpenAI has but minivllm does not implement (tools, logit_bias,
-echo, ...) are simply not declared, so they are refused the same way instead of being ignored.
+suffix, ...) are simply not declared, so they are refused the same way instead of being ignored.
 Besides OpenAI's fields, the requests take vLLM's extra sampling fields (top_k, min_p,
 min_tokens, repetition_penalty, ignore_eos, stop_token_ids), which the openai client sends
 through `extra_body`.
+
+A completion request may carry a batch of prompts (evaluation harnesses send them): each prompt
+becomes one engine request, and choice `prompt_index * n + completion_index` answers it. With
+`echo`, each choice's text starts with its prompt and, with `logprobs`, so do its logprobs (the
+prompt's first token has none: nothing predicts it). `echo` with `max_tokens: 0` scores a prompt
+without generating, which is how lm-evaluation-harness asks for loglikelihoods.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from minivllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 
 STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class APIError(Exception):
+    """An answer other than 200: becomes OpenAI's error body with this status."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def check_max_tokens(name: str, max_tokens: int | None, num_prompt_tokens: int, max_model_len: int,
+                     where: str = "") -> None:
+    """vLLM's rule: the prompt and the tokens asked for must fit in the context, or the request
+    is a 400 (never silently capped). None asks for whatever the context leaves. The message is
+    vLLM's, word for word (after `where`, which names the prompt of a batch): clients parse it to
+    retry with a smaller max_tokens."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(400, f"{where}'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                            f"maximum context length is {max_model_len} tokens and your request has "
+                            f"{num_prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {num_prompt_tokens}).",
+                       param=name)
+
+
+def check_logprobs(name: str, value: int | None, limit: int, kind: str = "sample") -> None:
+    """A server caps how many alternatives a token may come with (`--max-logprobs`, vLLM's 20):
+    each one is a row of the top-k the sampler sorts out and a line of JSON for every token."""
+    if value is not None and value > limit:
+        raise APIError(400, f"Requested {kind} logprobs of {value}, which is greater than max allowed: {limit} "
+                            f"(the server's --max-logprobs)", param=name)
 
 
 class StreamOptions(BaseModel):
@@ -66,26 +103,65 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions. One prompt per request: text, or a list of token ids."""
+    """POST /v1/completions. `prompt` is one prompt (text, or a list of token ids) or a batch of
+    them (a list of texts, or a list of token-id lists)."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions; None: until the context is full
+    echo: bool = False  # the prompt comes back before each completion (and its logprobs, with logprobs)
     logprobs: int | None = None  # also return the top-`logprobs` alternatives of every token
     prompt_logprobs: int | None = None  # vLLM's: log-probabilities of the prompt's own tokens
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def one_of_four_shapes(cls, value: Any, handler: Any) -> Any:
+        """One message for a prompt of the wrong shape (rather than one per shape it is not)."""
+        try:
+            value = handler(value)
+        except ValidationError:
+            raise ValueError("a prompt is a string or a list of token ids; a batch of prompts is a list of "
+                             "strings or a list of token-id lists") from None
+        if value == []:
+            raise ValueError("an empty list holds no prompt")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: `[1, 2, 3]` is one prompt of token ids, `[[1, 2], [3]]` two."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     @property
     def top_logprobs_wanted(self) -> int | None:
         """How many alternatives to show per token (None: no logprobs at all)."""
         return self.logprobs
 
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt and its logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def check_logprobs(self, limit: int) -> None:
+        check_logprobs("logprobs", self.logprobs, limit)
+        check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, kind="prompt")
+
     def sampling_params(self) -> SamplingParams:
-        """Raises ValueError for values the engine refuses (say temperature=-1)."""
+        """Raises ValueError for values the engine refuses (say temperature=-1). The engine
+        always generates at least one token: scoring a prompt (echo, max_tokens 0) generates
+        one, and the answer leaves it out (prompt_only). Echoed logprobs are the prompt's
+        logprobs, with as many alternatives as the completion's."""
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs cannot be streamed: ask for them without stream=true")
-        kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens}
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo=true, to score the prompt)")
+        if self.scores_only and self.min_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} with max_tokens=0: nothing is generated")
+        kwargs = self.sampling_kwargs() | {"max_tokens": 1 if self.scores_only else self.max_tokens}
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            kwargs["prompt_logprobs"] = self.logprobs
         return SamplingParams(**kwargs)
 
 
@@ -120,14 +196,23 @@ class ChatCompletionRequest(SamplingFields):
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def max_tokens_field(self) -> tuple[str, int | None]:
+        """The limit on the answer's length, and the name it came under."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    def check_logprobs(self, limit: int) -> None:
+        check_logprobs("top_logprobs", self.top_logprobs, limit)
+
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for values the engine refuses, or contradictory fields."""
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_completion_tokens or max_tokens (its older name), not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        kwargs = self.sampling_kwargs() | {"max_tokens": limit}
+        kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens_field[1]}
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs_wanted  # 0: the chosen token's log-probability only
         return SamplingParams(**kwargs)
@@ -139,10 +224,29 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(output: RequestOutput) -> dict[str, int]:
-    """OpenAI's token counts: the prompt once, the completions' tokens added up."""
-    prompt = len(output.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in output.outputs)
+@dataclass(frozen=True)
+class Echo:
+    """What `echo` puts before each completion of one prompt: the prompt's text, and the text of
+    its first token (whose logprob is null: nothing predicts it, so no logprob entry holds its text)."""
+
+    text: str
+    first_token: str
+
+
+def prompt_only(output: RequestOutput) -> RequestOutput:
+    """A request that scores its prompt (echo, max_tokens 0) as the client sees it: the engine
+    generated one token per completion, which the answer leaves out, finished by its length."""
+    def nothing(c: CompletionOutput) -> CompletionOutput:
+        return CompletionOutput(c.index, "", [], None if c.logprobs is None else 0.0,
+                                None if c.logprobs is None else [],
+                                None if c.finish_reason is None else "length", None)
+    return replace(output, outputs=[nothing(c) for c in output.outputs])
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    """OpenAI's token counts over a request's prompts: each prompt once, every completion's tokens."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -150,22 +254,36 @@ def token_text(token_id: int, logprob: Logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
 
-def completion_logprobs(c: CompletionOutput, first: int, count: int, top: int, offset: int | None = None) -> dict[str, Any]:
-    """Tokens first .. first+count-1 of a completion in the legacy completions format:
-    parallel lists of tokens, their logprobs, their top alternatives and character offsets.
-    offset: the text offset of token `first` (a stream keeps it; None: counted from the start)."""
-    entries, ids = c.logprobs[first:first + count], c.token_ids[first:first + count]
-    if offset is None:
-        offset = sum(len(token_text(t, e[t])) for t, e in zip(c.token_ids[:first], c.logprobs[:first]))
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], top: int, offset: int = 0,
+                        unscored_text: str = "") -> dict[str, list]:
+    """Tokens in the legacy completions format: parallel lists of the tokens' texts, their
+    logprobs, their alternatives and their character offsets in the choice's text, the first
+    at `offset`. A token's alternatives are the `top` most likely tokens and the token itself
+    (OpenAI's rule: up to top + 1 of them). An entry of None (a prompt's first token, which
+    nothing predicts) has a null logprob and null alternatives, and `unscored_text` as its text."""
     body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in zip(ids, entries):
-        text = token_text(token_id, entry[token_id])
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            text, logprob, alternatives = unscored_text, None, None
+        else:
+            text, logprob = token_text(token_id, entry[token_id]), entry[token_id].logprob
+            alternatives = {token_text(t, lp): lp.logprob for t, lp in entry.items() if lp.rank <= top or t == token_id}
         body["tokens"].append(text)
-        body["token_logprobs"].append(entry[token_id].logprob)
-        body["top_logprobs"].append({token_text(t, lp): lp.logprob for t, lp in entry.items() if lp.rank <= top})
+        body["token_logprobs"].append(logprob)
+        body["top_logprobs"].append(alternatives)
         body["text_offset"].append(offset)
         offset += len(text)
     return body
+
+
+def echoed_logprobs(output: RequestOutput, echo: Echo, top: int) -> dict[str, list]:
+    """The prompt's tokens in the legacy format, from offset 0: what echo puts first."""
+    return completion_logprobs(output.prompt_token_ids, output.prompt_logprobs, top, 0, echo.first_token)
+
+
+def joined(*parts: dict[str, list]) -> dict[str, list]:
+    """Legacy logprobs of consecutive tokens, as one."""
+    return {key: [item for part in parts for item in part[key]] for key in parts[0]}
 
 
 def chat_logprobs(c: CompletionOutput, first: int, count: int, top: int) -> dict[str, Any]:
@@ -189,25 +307,39 @@ def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | N
                                         for t, lp in entry.items()} for entry in output.prompt_logprobs]
 
 
-def completion_response(output: RequestOutput, request_id: str, created: int, model: str,
-                        top_logprobs: int | None) -> dict[str, Any]:
-    """The body of a /v1/completions answer that does not stream."""
+def completion_response(outputs: list[RequestOutput], request_id: str, created: int, model: str,
+                        top_logprobs: int | None, echo: list[Echo] | None = None,
+                        show_prompt_logprobs: bool = False) -> dict[str, Any]:
+    """The body of a /v1/completions answer that does not stream: outputs[p] answers prompt p,
+    and its completion i is choice p * n + i. echo: one per prompt, or None. The vLLM field
+    prompt_logprobs is shown when the request asked for it (not when echo did)."""
     choices = []
-    for c in sorted(output.outputs, key=lambda c: c.index):
-        logprobs = None if top_logprobs is None else completion_logprobs(c, 0, len(c.token_ids), top_logprobs)
-        choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason, "prompt_logprobs": prompt_logprobs(output)})
+    for p, output in enumerate(outputs):
+        n = len(output.outputs)
+        for c in sorted(output.outputs, key=lambda c: c.index):
+            text, logprobs = c.text, None
+            if top_logprobs is not None:
+                start = 0 if echo is None else len(echo[p].text)
+                logprobs = completion_logprobs(c.token_ids, c.logprobs, top_logprobs, start)
+                if echo is not None:
+                    logprobs = joined(echoed_logprobs(output, echo[p], top_logprobs), logprobs)
+            if echo is not None:
+                text = echo[p].text + text
+            choices.append({"index": p * n + c.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "prompt_logprobs": prompt_logprobs(output) if show_prompt_logprobs else None})
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(output)}
+            "usage": usage(outputs)}
 
 
-def chat_response(output: RequestOutput, request_id: str, created: int, model: str,
+def chat_response(outputs: list[RequestOutput], request_id: str, created: int, model: str,
                   top_logprobs: int | None) -> dict[str, Any]:
-    """The body of a /v1/chat/completions answer that does not stream."""
+    """The body of a /v1/chat/completions answer that does not stream (one conversation)."""
+    (output,) = outputs
     choices = []
     for c in sorted(output.outputs, key=lambda c: c.index):
         logprobs = None if top_logprobs is None else chat_logprobs(c, 0, len(c.token_ids), top_logprobs)
         choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(output)}
+            "usage": usage(outputs)}

@@ -12,6 +12,11 @@ server-sent event (`data: {...}` and a blank line), and the stream ends with `da
 
     data: [DONE]
 
+A request with a batch of prompts is one engine request per prompt, so the stream interleaves
+chunks of all their completions, each under its choice index (prompt index x n + completion
+index). With `echo`, a choice's first chunk carries its prompt (and the prompt's logprobs) ahead
+of its first tokens.
+
 Taking differences is only right because a completion's text never changes what it showed:
 the engine (engine/detokenizer.py) holds back the bytes of a character still being generated
 and the last characters that might yet start a stop string, so `text` only ever grows. A
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.outputs import RequestOutput
-from minivllm.serving.protocol import chat_logprobs, completion_logprobs, usage
+from minivllm.serving.protocol import Echo, chat_logprobs, completion_logprobs, echoed_logprobs, joined, usage
 
 DONE = "data: [DONE]\n\n"
 
@@ -102,56 +107,73 @@ class Chunks:
     model: str
     chat: bool
     top_logprobs: int | None = None  # alternatives per token; None: the request asked for no logprobs
-    # Per completion, the text offset of its next token's logprobs: counting them again from the
+    n: int = 1  # completions per prompt: choice index = prompt index * n + completion index
+    echo: list[Echo] | None = None  # completions only: one per prompt, sent first in each of its choices
+    # Per choice, the text offset of its next token's logprobs: counting them again from the
     # first token at every chunk would make a stream's cost grow with the square of its length.
     text_offsets: dict[int, int] = field(default_factory=dict)
+    echoed: set[int] = field(default_factory=set)  # the choices whose prompt went out
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def opening(self, n: int) -> list[dict[str, Any]]:
+    def opening(self) -> list[dict[str, Any]]:
         """Chat streams first say who speaks, once per completion; completions start with text."""
         if not self.chat:
             return []
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for i in range(n)]
+                              "finish_reason": None}]) for i in range(self.n)]
 
-    def delta(self, delta: Delta, output: RequestOutput) -> dict[str, Any]:
-        """One delta as a chunk; `output` (the one the delta came from) holds its logprobs."""
+    def delta(self, delta: Delta, output: RequestOutput, prompt: int = 0) -> dict[str, Any]:
+        """One delta of prompt number `prompt` as a chunk; `output` (the one the delta came
+        from) holds its logprobs, and the prompt's."""
+        index = prompt * self.n + delta.index
+        echo = None
+        if self.echo is not None and index not in self.echoed:
+            echo = self.echo[prompt]
+            self.echoed.add(index)
+            self.text_offsets[index] = len(echo.text)  # the completion's text follows the prompt's
         logprobs = None
         if self.top_logprobs is not None:
             completion = next(c for c in output.outputs if c.index == delta.index)
+            first, last = delta.first_token, delta.first_token + len(delta.token_ids)
             if self.chat:
-                logprobs = chat_logprobs(completion, delta.first_token, len(delta.token_ids), self.top_logprobs)
+                logprobs = chat_logprobs(completion, first, len(delta.token_ids), self.top_logprobs)
             else:
-                offset = self.text_offsets.get(delta.index, 0)
-                logprobs = completion_logprobs(completion, delta.first_token, len(delta.token_ids), self.top_logprobs,
-                                               offset)
-                self.text_offsets[delta.index] = offset + sum(map(len, logprobs["tokens"]))
+                offset = self.text_offsets.get(index, 0)
+                logprobs = completion_logprobs(completion.token_ids[first:last], completion.logprobs[first:last],
+                                               self.top_logprobs, offset)
+                self.text_offsets[index] = offset + sum(map(len, logprobs["tokens"]))
+                if echo is not None:
+                    logprobs = joined(echoed_logprobs(output, echo, self.top_logprobs), logprobs)
+        text = delta.text if echo is None else echo.text + delta.text
         if self.chat:
-            choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {}}
+            choice = {"index": index, "delta": {"content": text} if text else {}}
         else:
-            choice = {"index": delta.index, "text": delta.text}
+            choice = {"index": index, "text": text}
         return self._chunk([choice | {"logprobs": logprobs, "finish_reason": delta.finish_reason,
                                       "stop_reason": delta.stop_reason}])
 
-    def usage(self, output: RequestOutput) -> dict[str, Any]:
-        """The last chunk when stream_options.include_usage is set: no choices, the counts."""
-        return self._chunk([]) | {"usage": usage(output)}
+    def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage is set: no choices, the counts of
+        every prompt (the last output of each)."""
+        return self._chunk([]) | {"usage": usage(outputs)}
 
 
-async def stream_events(outputs: AsyncIterator[RequestOutput], chunks: Chunks, n: int,
+async def stream_events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunks: Chunks,
                         include_usage: bool) -> AsyncIterator[str]:
-    """The whole event stream of one request: its chunks as they are produced, the usage
-    chunk if asked for, then [DONE]."""
-    for chunk in chunks.opening(n):
+    """The whole event stream of one request: the chunks of its prompts' outputs ((prompt
+    index, output) pairs, interleaved as they come) as they are produced, the usage chunk if
+    asked for, then [DONE]."""
+    for chunk in chunks.opening():
         yield sse(chunk)
-    state, last = StreamState(), None
-    async for output in outputs:
-        last = output
-        for delta in new_deltas(output, state):
-            yield sse(chunks.delta(delta, output))
-    if include_usage and last is not None:
-        yield sse(chunks.usage(last))
+    states: dict[int, StreamState] = {}  # per prompt
+    last: dict[int, RequestOutput] = {}
+    async for prompt, output in outputs:
+        last[prompt] = output
+        for delta in new_deltas(output, states.setdefault(prompt, StreamState())):
+            yield sse(chunks.delta(delta, output, prompt))
+    if include_usage and last:
+        yield sse(chunks.usage([last[p] for p in sorted(last)]))
     yield DONE
