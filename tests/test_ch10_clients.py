@@ -288,7 +288,8 @@ def test_streamed_echo_sends_the_prompt_first_and_adds_up_to_the_whole_answer(se
         assert choice.text.startswith(texts[choice.index // 2])
         assert (mine["text"], mine["finish_reason"]) == (choice.text, choice.finish_reason)
         assert (mine["tokens"], mine["text_offset"]) == (choice.logprobs.tokens, choice.logprobs.text_offset)
-        assert mine["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs)
+        # The two runs may batch differently, so fp32 sums round differently: logprobs agree to 1e-4.
+        assert mine["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-4)
     firsts = {}
     for chunk in chunks:
         for c in chunk.choices:
