@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(device=args.device, dtype=dtype_argument(args), block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention,
-                cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching)
+                cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching,
+                speculative_config=args.speculative_config)
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,6 +91,17 @@ def _bench_serve(args: argparse.Namespace) -> None:
                 results=args.results, figure=args.figure, timeout=args.timeout, deadline=args.deadline)
 
 
+def json_object(text: str) -> dict:
+    """An argparse type for a JSON object on the command line (vLLM's --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _numbers(kind: type) -> Callable[[str], list]:
     """An argparse type for comma-separated numbers, e.g. 1,8,32,128."""
     def parse(text: str) -> list:
@@ -115,6 +128,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as vLLM's flag)")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="share the KV blocks of common prefixes (default: on, as in vLLM)")
+    serve.add_argument("--speculative-config", type=json_object, default=None,
+                       help='speculative decoding (chapter 12), as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     serve.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     serve.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
                        help="static: batches of --static-batch-size that run until their longest request is done")

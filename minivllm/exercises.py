@@ -43,6 +43,7 @@ NOTEBOOKS = {
     "ch09": "notebooks/09_cuda_graphs.ipynb",
     "ch10": "notebooks/10_serving.ipynb",
     "ch11": "notebooks/11_prefix_caching.ipynb",
+    "ch12": "notebooks/12_speculative_decoding.ipynb",
 }
 
 
@@ -125,6 +126,12 @@ EXERCISES: list[Exercise] = [
     Exercise("ch11", "minivllm.engine.prefix_cache", "PrefixCachingBlockManager.release",
              "Exercise 11.3: reference-counted release",
              "let go of a table's blocks: a block is free only when its last owner lets go"),
+    Exercise("ch12", "minivllm.engine.spec_decode.ngram", "propose_ngram", "Exercise 12.1: prompt lookup",
+             "guess the next tokens: what followed the last n tokens where they occurred before"),
+    Exercise("ch12", "minivllm.engine.spec_decode.rejection", "rejection_sample", "Exercise 12.2: rejection sampling",
+             "keep a prefix of the guesses and draw one more token, exactly in the target's distribution"),
+    Exercise("ch12", "minivllm.engine.spec_decode.rollback", "rollback", "Exercise 12.3: the rollback",
+             "take back a verify step's rejected guesses: the computed count, and the blocks that held them"),
 ]
 
 

@@ -456,3 +456,35 @@ def test_sampled_tokens_follow_the_targets_distribution_not_the_drafts(monkeypat
         monkeypatch.setattr("minivllm.engine.spec_decode.speculator.rejection_sample", wrong)
         bad = sampled_pairs(target, draft, prompt, n, temperature)
         assert ((bad - exact).abs() > tolerance + 1e-3).any(), f"the check cannot tell {wrong.__name__}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_server_streams_speculated_tokens_and_counts_them():
+    """`minivllm serve --speculative-config ...` as a client sees it: the streamed text equals
+    LLM.generate's without speculation, and /metrics carries vLLM's counters, equal to the
+    engine's own totals."""
+    import httpx
+    import openai
+
+    from minivllm.serving.threaded import running_server
+
+    model, tokenizer = minivllm.load_model(), minivllm.load_tokenizer()
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return"
+    expected = LLM(model, tokenizer=tokenizer).generate(prompt, SamplingParams(max_tokens=40, **GREEDY),
+                                                         use_tqdm=False)[0].outputs[0].text
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, speculative_config=NGRAM)
+    with running_server(engine, "spec") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+        stream = client.completions.create(model="spec", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    stats = engine.speculator.stats
+    assert stats.num_accepted_tokens > 0, "the repeated functions were meant to be guessed"
+    for name, value in (("num_drafts", stats.num_drafts), ("num_draft_tokens", stats.num_draft_tokens),
+                        ("num_accepted_tokens", stats.num_accepted_tokens)):
+        assert f"minivllm_spec_decode_{name}_total {float(value)}" in metrics, name

@@ -62,6 +62,10 @@ CONTRACTS = {
     "block_hashes": ["len(token_ids) // block_size", "hash_block(", "partly filled last block has no hash"],
     "PrefixCachingBlockManager.longest_cached_prefix": ["first hash not in self.cached", "Reads only", "never a gap"],
     "PrefixCachingBlockManager.release": ["young end of self.free", "last block first", "free + owned blocks = the pool"],
+    "propose_ngram": ["most recent earlier occurrence", "token_ids[i+n : i+n+k]", "Returns []", "is not changed"],
+    "rejection_sample": ["[S, K+1, V]", "uniforms[s, j] * q_j(d) < p_j(d)", "argmax(w / noise[s])", "-1 to the end",
+                         "a prefix of the guesses"],
+    "rollback": ["num_spec_tokens", "has dropped by num_rejected", "block_manager.shrink", "ValueError"],
 }
 
 

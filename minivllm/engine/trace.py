@@ -31,9 +31,9 @@ class StepRecord:
     # several requests share counts for each of them, so with prefix caching kv_tokens can exceed kv_reserved_tokens)
     kv_reserved_tokens: int  # slots in the blocks they hold (kv_tokens / this = KV utilisation)
     cached_tokens: int = 0  # prompt tokens that requests admitted this step found in the prefix cache (chapter 11)
-    # Chapter 12: request id -> guesses in its verify chunk (a decode that scores 1 + D positions),
-    # and, filled in after verification, how many of them the target kept.
-    drafts: dict[str, int] = field(default_factory=dict)
+    # Chapter 12: request id -> the guesses in its verify chunk (a decode that scores 1 + D
+    # positions), and, filled in after verification, how many of them the target kept.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0  # how long the step took (filled in after it ran)
 
@@ -43,7 +43,7 @@ class StepRecord:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + len(self.decode) + sum(self.drafts.values())
+        return self.num_prefill_tokens + len(self.decode) + sum(map(len, self.drafts.values()))
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Trace:
             if n == 1 + guesses and start == seq.num_tokens - n and start >= seq.num_prompt_tokens and start >= seen:
                 decode.append(seq.request_id)
                 if guesses:
-                    drafts[seq.request_id] = guesses
+                    drafts[seq.request_id] = seq.token_ids[-guesses:]
             else:
                 prefill[seq.request_id] = n
         scheduled = set(prefill) | set(decode)

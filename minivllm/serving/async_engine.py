@@ -280,7 +280,8 @@ class AsyncEngine:
         """Read-only counts of the scheduler and block manager, for /metrics' gauges."""
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         self.metrics.engine_state(len(scheduler.running), len(scheduler.waiting) + len(self._batch_queue),
-                                  1 - blocks.num_free / blocks.num_blocks, blocks.queried_tokens, blocks.hit_tokens)
+                                  1 - blocks.num_free / blocks.num_blocks, blocks.queried_tokens, blocks.hit_tokens,
+                                  None if self.engine.speculator is None else self.engine.speculator.stats)
 
     def _settle(self, future: asyncio.Future, error: BaseException | None) -> None:
         self._call_on_loop(_settle_future, future, error)

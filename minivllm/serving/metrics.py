@@ -2,7 +2,8 @@
 
 The same quantities vLLM exports, under `minivllm_` names: how many requests run and wait,
 how full the KV cache is, how many prompt tokens the prefix cache (chapter 11) was asked for and
-found, prompt and generated tokens, and the latencies a user feels as
+found, how many guesses speculative decoding (chapter 12) made and kept, prompt and generated
+tokens, and the latencies a user feels as
 histograms. Each histogram has a bucket edge at the chapter's SLO (500 ms to the first token,
 20 ms between tokens = 50 tokens/s), so `le="0.5"` reads directly as "how many met it".
 
@@ -12,11 +13,13 @@ thread-safe, and the per-request clocks below are touched by the engine thread a
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from minivllm.engine.outputs import RequestOutput
+from minivllm.engine.spec_decode.speculator import SpecDecodeStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -46,6 +49,16 @@ class ServerMetrics:
         self.prefix_cache_hits = Counter("minivllm_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                          registry=r)
         self._prefix_seen = (0, 0)  # the block manager's (queried, hit) totals at the last update
+        # Speculative decoding (chapter 12), vLLM's counters: a draft is one sequence's guesses in one step.
+        self.spec_drafts = Counter("minivllm_spec_decode_num_drafts", "Drafts verified", registry=r)
+        self.spec_draft_tokens = Counter("minivllm_spec_decode_num_draft_tokens", "Guessed tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("minivllm_spec_decode_num_accepted_tokens", "Guessed tokens accepted",
+                                            registry=r)
+        self.spec_accepted_per_position = Counter("minivllm_spec_decode_num_accepted_tokens_per_pos",
+                                                  "Accepted guesses by their position in the draft", ["position"],
+                                                  registry=r)
+        self._spec_seen: SpecDecodeStats | None = None  # the engine's totals at the last update
         self.prompt_tokens = Counter("minivllm_prompt_tokens", "Prompt tokens of requests that started", registry=r)
         self.generation_tokens = Counter("minivllm_generation_tokens", "Output tokens generated", registry=r)
         self.finished = Counter("minivllm_requests_finished", "Requests done, by why they ended",
@@ -59,9 +72,9 @@ class ServerMetrics:
         self._clocks: dict[str, _Clock] = {}
 
     def engine_state(self, running: int, waiting: int, kv_cache_usage: float, prefix_queried_tokens: int = 0,
-                     prefix_hit_tokens: int = 0) -> None:
+                     prefix_hit_tokens: int = 0, spec: SpecDecodeStats | None = None) -> None:
         """The scheduler's and block manager's state; the prefix-cache totals are the block
-        manager's running sums, which the counters follow."""
+        manager's running sums and `spec` the speculator's, which the counters follow."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_cache_usage.set(kv_cache_usage)
@@ -69,6 +82,15 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(prefix_queried_tokens - queried)
         self.prefix_cache_hits.inc(prefix_hit_tokens - hit)
         self._prefix_seen = (prefix_queried_tokens, prefix_hit_tokens)
+        if spec is not None:
+            seen = self._spec_seen or SpecDecodeStats(spec.k)
+            self.spec_drafts.inc(spec.num_drafts - seen.num_drafts)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens - seen.num_draft_tokens)
+            self.spec_accepted_tokens.inc(spec.num_accepted_tokens - seen.num_accepted_tokens)
+            for j, (now, then) in enumerate(zip(spec.num_accepted_per_position, seen.num_accepted_per_position)):
+                self.spec_accepted_per_position.labels(str(j)).inc(now - then)
+            self._spec_seen = dataclasses.replace(spec, num_drafts_per_position=list(spec.num_drafts_per_position),
+                                                  num_accepted_per_position=list(spec.num_accepted_per_position))
 
     def request_started(self, request_id: str, arrival_time: float) -> None:
         self._clocks[request_id] = _Clock(arrival_time)
