@@ -25,7 +25,7 @@ import time
 import torch
 from rich.table import Table
 
-from minivllm import DRAFT_MODEL, LLM, EngineConfig, SamplingParams, load_model, load_tokenizer, plots
+from minivllm import DRAFT_MODEL, LLM, EngineConfig, load_model, load_tokenizer, plots
 from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
 from minivllm.bench.speculation import (acceptance_sweep, batch_sweep, code_prompts, greedy, method_config,
                                         run_generation, verify_cost)
