@@ -13,6 +13,7 @@
     trace.py            a record of every step, for the chapters' pictures
     llm_engine.py       the online engine: add_request, step, abort_request
     llm.py              LLM: the offline API, a loop around LLMEngine
+    spec_decode/        chapter 12: guesses (prompt lookup or a draft model), verified in one forward pass
 
 It imports the model and attention below it, never the server, the stages or the benchmark kit.
 """
