@@ -26,7 +26,9 @@ steps have any number of tokens; they run eagerly, as in chapter 7.
 
 On a CPU there are no CUDA graphs: `EagerGraph` stands in for one, with the same buckets,
 static buffers and padding, but its replay simply calls the forward again. Tests use it to
-prove that bucketing and padding leave transformers' tokens exactly as they were.
+prove that bucketing and padding leave transformers' tokens exactly as they were. Which one
+runs follows the device of the KV pool (`graph_class_for`): a CUDA graph of CPU tensors would
+record no work at all, and its replays would leave the outputs of the capture in place.
 """
 from __future__ import annotations
 
@@ -103,16 +105,27 @@ class CudaGraph:
         self.graph.replay()
 
 
+def graph_class_for(device: torch.device) -> type:
+    """CudaGraph for a pool on a CUDA device, EagerGraph (the stand-in) anywhere else."""
+    return CudaGraph if torch.device(device).type == "cuda" else EagerGraph
+
+
 class GraphRunner:
     """Runs decode steps by replaying the graph of their batch-size bucket.
 
     forward(input_ids, positions, attention) -> hidden [T, hidden] is the model's forward (plain
-    or fused); the pool's last block is the spare that padding rows use."""
+    or fused); the pool's last block is the spare that padding rows use. graph_class: None for
+    the one the pool's device runs (graph_class_for); CudaGraph refuses a pool off CUDA."""
 
     def __init__(
         self, forward: Callable[..., torch.Tensor], pool: KVPool, attention_class: type, max_num_seqs: int,
-        max_model_len: int, graph_class: type = CudaGraph,
+        max_model_len: int, graph_class: type | None = None,
     ):
+        graph_class = graph_class or graph_class_for(pool.k.device)
+        if graph_class is CudaGraph and pool.k.device.type != "cuda":
+            raise ValueError(f"CudaGraph captures CUDA work, and this KV pool is on {pool.k.device}: a capture would "
+                             f"record nothing and every replay would return the capture's output. Use EagerGraph there "
+                             f"(graph_class=None chooses by device).")
         self.pool, self.block_size = pool, pool.block_size
         self.pad_block = pool.num_blocks - 1
         self.sizes = graph_batch_sizes(max_num_seqs)
