@@ -8,19 +8,15 @@ Python, so shapes are tiny; bf16 is left to the GPU (the interpreter's bf16 matm
 """
 from __future__ import annotations
 
-import os
+import random
+from types import SimpleNamespace
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined: import them lazily, below
+import pytest
+import torch
 
-import random  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from minivllm.attention.masks import chunk_mask  # noqa: E402
-from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch, paged_decode, store_kv  # noqa: E402
-from tiny_models import reference_attention  # noqa: E402
+from minivllm.attention.masks import chunk_mask
+from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch, paged_decode, store_kv
+from tiny_models import reference_attention
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.ch08
@@ -33,11 +29,11 @@ LAYOUTS = [(1, 64, 2, 2), (16, 128, 4, 2), (13, 64, 8, 1), (16, 64, 16, 2), (5, 
 
 
 @pytest.fixture(scope="module")
-def kernels():
+def kernels(triton_interpreter):
+    """The attention kernels, run by Triton's interpreter for this module's checks only (conftest.py)."""
     from minivllm.attention import triton_kernels
 
-    if not triton_kernels.INTERPRETED:
-        pytest.fail("minivllm.attention.triton_kernels was imported before TRITON_INTERPRET=1 was set")
+    assert triton_kernels.INTERPRETED, "minivllm.attention.triton_kernels was not imported under TRITON_INTERPRET=1"
     return triton_kernels
 
 
