@@ -120,6 +120,25 @@ def test_the_graph_class_follows_the_pool_device(qwen3_model):
         GraphRunner(runner.forward, runner.pool, runner.attention_class, 4, 64, graph_class=CudaGraph)
 
 
+def test_a_replayed_step_writes_only_the_columns_it_uses(qwen3_model):
+    """The graphs' tables are as wide as the longest context allowed (2,560 columns for
+    Qwen3-0.6B); a step copies its tables, only as wide as its longest, in its one packed copy
+    and writes them into the first columns of its rows: the rest keep what was there."""
+    llm = with_graphs(LLM(qwen3_model, max_num_seqs=8, max_model_len=256, block_size=4, num_kv_blocks=64))
+    graphs = llm.engine.runner.graphs
+    assert graphs.tables.shape == (8, 64)
+    seqs = [make_seq(str(i), list(range(5 + 2 * i)), 4 + 2 * i, list(range(3 * i, 3 * i + 2 + i // 2)))
+            for i in range(5)]
+    with torch.inference_mode():  # as the engine runs a step (the buffers were made under it)
+        graphs.tables.fill_(777)  # what earlier, longer steps may have left in the tables
+        size, arrays, flat = graphs.prepare(seqs)
+    width = arrays.block_tables.shape[1]
+    assert size == 8 and width == 4  # the longest table: 4 blocks
+    assert (graphs.tables[:, width:] == 777).all(), "a step wrote columns it does not use"
+    assert graphs.tables[:size, :width].tolist() == arrays.block_tables.tolist()
+    assert torch.equal(flat.cpu(), torch.from_numpy(arrays.pack()))  # one copy carries the step, tables too
+
+
 class CountingReplays:
     """Counts graph replays per batch size, to prove the graphs really ran."""
 

@@ -65,7 +65,7 @@ class ModelRunner:
         with record_function("prepare"):
             if replay:  # padded to a captured batch size, in the graphs' static buffers
                 size, arrays, flat = self.graphs.prepare(seqs)
-                sample_rows = arrays.unpack(flat, tables=False)["sample_rows"]
+                sample_rows = arrays.unpack(flat)["sample_rows"]
             else:
                 arrays = build_step_arrays(seqs, num_new, self.pool.block_size)
                 flat = to_device(arrays.pack(), self.model.device)
