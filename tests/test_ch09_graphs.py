@@ -226,28 +226,36 @@ def test_captured_graphs_give_transformers_tokens(hf_models, reference, settings
     assert len(counter.counts) > 2, f"only buckets {sorted(counter.counts)} were replayed"
 
 
+def strict(function):
+    """`function`, raising if it makes the host wait for the GPU (torch's sync debug mode)."""
+    def wrapped(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return wrapped
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device: a CPU has no host-device synchronisation to catch")
-def test_a_step_never_waits_for_the_gpu_before_sampling(hf_models):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_step_never_waits_for_the_gpu_before_reading_its_tokens(hf_models, sampled):
     """Preparing inputs and running the model (eager prefill steps and graph-replayed decode
-    steps alike) must not synchronise with the GPU; only reading the sampled tokens may."""
+    steps alike), and choosing the tokens (greedy, or sampled with top-p, with and without a
+    seed), must not synchronise with the GPU; only reading the chosen tokens back may."""
     from minivllm import load_model
 
     model = load_model(hf_models["qwen3"], device="cuda")
     engine = LLMEngine(model, max_num_seqs=8, max_model_len=128)
     assert engine.runner.graphs is not None
-    run = engine.runner.run
-
-    def strict_run(schedule):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return run(schedule)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    engine.runner.run = strict_run
+    engine.runner.run = strict(engine.runner.run)
+    engine.sampler.sample_rows = strict(engine.sampler.sample_rows)  # everything but the tokens' .tolist()
     for i, prompt in enumerate(PROMPTS[:5]):
-        engine.add_request(prompt, SamplingParams(max_tokens=6, **GREEDY), request_id=str(i))
+        params = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=i if i % 2 else None,
+                                ignore_eos=True) if sampled else SamplingParams(max_tokens=6, **GREEDY)
+        engine.add_request(prompt, params, request_id=str(i))
     for _ in range(100):
         if not engine.has_unfinished_requests():
             break

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import random
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -75,7 +74,6 @@ class LLMEngine:
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id (n completions each)
         self.trace: Trace | None = None  # set to Trace() to record every step
         self._ids = itertools.count()
-        self._seeds = random.Random()  # seeds for sampled requests that bring none
 
     @property
     def max_model_len(self) -> int:
@@ -112,9 +110,10 @@ class LLMEngine:
             seq = Sequence(name, token_ids, params, self.max_model_len, prompt=text, index=i, group=group)
             if arrival_time is not None:
                 seq.arrival_time = arrival_time
-            if not params.greedy:  # completion i of a seeded request uses seed + i
-                seed = self._seeds.getrandbits(63) if params.seed is None else (params.seed + i) % 2**64
-                seq.generator = torch.Generator(self.model.device).manual_seed(seed)
+            if not params.greedy and params.seed is not None:  # completion i of a seeded request uses seed + i
+                # A generator of its own: its tokens do not depend on the batch. Unseeded requests share
+                # the sampler's generator, one draw for all of their rows (engine/sampler.py).
+                seq.generator = torch.Generator(self.model.device).manual_seed((params.seed + i) % 2**64)
             if self.tokenizer is not None:
                 seq.text = StopChecker(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
             group.seqs.append(seq)
