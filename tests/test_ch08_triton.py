@@ -16,7 +16,7 @@ import torch
 
 from minivllm.attention.masks import chunk_mask
 from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch, paged_decode, store_kv
-from tiny_models import reference_attention
+from tiny_models import reference_attention, unspecialised
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.ch08
@@ -72,6 +72,41 @@ def reference(q: torch.Tensor, pool: KVPool, batch: PagedBatch) -> torch.Tensor:
                                                        chunk_mask(q_len, ctx - q_len))
         start += q_len
     return out
+
+
+# What changes from one engine step to the next, by kernel: views into the step's packed inputs
+# (their offsets move with its token and sequence counts) and the tables' row stride (its
+# longest table). Specialising on them would compile new variants in the middle of a run.
+PER_STEP = {
+    "_store_kv_kernel": ({"slots_ptr"}, set()),
+    "_paged_decode_kernel": ({"block_tables_ptr", "context_lens_ptr"}, {"stride_table"}),
+    "_paged_prefill_kernel": ({"block_tables_ptr", "query_start_ptr", "context_lens_ptr"}, {"stride_table"}),
+    "_merge_partials_kernel": (set(), {"num_partitions"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_STEP))
+def test_per_step_arguments_are_not_specialised(kernels, name):
+    pointers, ints = PER_STEP[name]
+    value, alignment = unspecialised(getattr(kernels, name))
+    assert ints <= value, f"{name} would compile a variant for an int equal to 1: {sorted(ints - value)}"
+    assert pointers | ints <= alignment, f"{name} would compile a variant per alignment: {sorted(pointers | ints - alignment)}"
+
+
+def test_the_merge_compiles_one_tile_for_every_split_the_engine_chooses(kernels, monkeypatch):
+    """BLOCK_P is a constexpr: one value for every P up to MAX_PARTITIONS, the ones decode_plan gives."""
+    seen = []
+    launch = kernels._merge_partials_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["BLOCK_P"]) or launch[grid](*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "_merge_partials_kernel", Recorder())
+    for P in (2, 5, 16, kernels.MAX_PARTITIONS):
+        maxes, sums = torch.zeros(1, 1, P), torch.ones(1, 1, P)
+        kernels.merge_partials_triton(maxes, sums, torch.zeros(1, 1, P, 16), dtype=torch.float32)
+    assert len(set(seen)) == 1, f"tile sizes {seen} for 2 to {kernels.MAX_PARTITIONS} partitions"
 
 
 def test_store_kv_matches_torch(kernels):

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import random_prompts
+from tiny_models import random_prompts, unspecialised
 from torch import nn
 
 from minivllm.attention.dense import attend
@@ -132,6 +132,12 @@ def test_silu_mul_matches_model(kernels, T, width, dtype):
     gate_up = randn(T, 2 * width, seed=12, dtype=dtype, scale=4.0)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up, **(TIGHT if dtype == torch.float32 else HALF))
+
+
+def test_positions_are_not_specialised_on(kernels):
+    """positions is a view into the step's packed inputs, at an offset that moves with its
+    number of tokens: specialising on its alignment would compile variants mid-run."""
+    assert "positions_ptr" in unspecialised(kernels._qk_norm_rope_kernel)[1]
 
 
 def test_kernels_refuse_bad_shapes(kernels):
