@@ -208,7 +208,9 @@ class LLMEngine:
             result = self.sampler(logits, sampled, self.eos_token_ids)
         now = time.perf_counter()
         with record_function("finish"):
-            touched: dict[str, SequenceGroup] = {}
+            # The requests that answer this step: every one that streams, and those that finished.
+            # (A FINAL_ONLY request that goes on costs nothing more here: the common case of LLM.generate.)
+            answering: dict[str, SequenceGroup] = {}
             for seq, token, top in zip(sampled, result.token_ids, result.logprobs):
                 seq.append_token(token, self.eos_token_ids, now, None if top is None else self._logprob_dict(top))
                 params = seq.params
@@ -218,12 +220,15 @@ class LLMEngine:
                 if seq.finish_reason is not None:
                     seq.finish_time = now
                     self.scheduler.finish(seq)
-                touched[seq.group.request_id] = seq.group
+                    answering[seq.group.request_id] = seq.group
+                elif params.output_kind is RequestOutputKind.CUMULATIVE:
+                    answering[seq.group.request_id] = seq.group
             outputs = []
-            for group in touched.values():
-                if group.is_finished:
+            for group in answering.values():
+                finished = group.is_finished
+                if finished:
                     del self.requests[group.request_id]
-                if group.is_finished or group.params.output_kind is RequestOutputKind.CUMULATIVE:
+                if finished or group.params.output_kind is RequestOutputKind.CUMULATIVE:
                     outputs.append(self._output(group))
         if record is not None:
             record.seconds = time.perf_counter() - start
