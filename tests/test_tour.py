@@ -89,3 +89,18 @@ def test_engines_are_built_before_the_clock_starts(tiny_checkpoint, tmp_path, mo
                             stages=["continuous", "cuda_graphs"], check=2, peers=False)
     assert all(r["agrees"] == "✓" for r in payload["rows"])
     assert built and not any(built), f"{sum(built)} of {len(built)} engines were built while a stage was timed"
+
+
+def test_on_a_gpu_the_launch_bound_stages_always_run_a_sample():
+    """The GPU tour's own workload (ladder_gpu: about 18k output tokens) is below the size at
+    which a CPU samples; on a GPU naive decoding at ~26 tok/s would need over ten minutes for it."""
+    import minivllm.bench.tour as tour
+    from minivllm.bench.workloads import make_workload
+
+    work = make_workload(tour.GPU_DEFAULT_WORKLOAD, 151936)
+    assert work.num_output_tokens < tour.LARGE_WORKLOAD_TOKENS
+    for name, size in tour.GPU_SAMPLED_STAGES.items():
+        assert tour.sample_size(name, work, on_gpu=True) == size
+        assert tour.sample_size(name, work, on_gpu=False) is None
+    assert tour.sample_size("continuous", work, on_gpu=True) is None
+    assert tour.sample_size("naive", work.subset(2), on_gpu=True) is None  # all of it already
