@@ -283,7 +283,7 @@ def engine_throughput(args: Any, device: torch.device, dtype: torch.dtype) -> di
 
 def benchmark(kernels: Any, args: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """Section 3 of chapter 8: the sweeps by context and by batch, the goals, the split sweep
-    and (unless args.e2e_requests is 0) the engine's throughput by attention backend."""
+    (unless args.skip_split_sweep) and (unless args.e2e_requests is 0) the engine's throughput by attention backend."""
     from minivllm import plots
     from minivllm.machine import device_name
     from minivllm.plots.kernels import plot_bandwidth
@@ -302,7 +302,7 @@ def benchmark(kernels: Any, args: Any, device: torch.device, dtype: torch.dtype)
     fig = plot_bandwidth(BATCHES, by_batch["seconds"], by_batch["bandwidth"], copy_gbs, "batch size (sequences)",
                          f"Decode attention, {TARGET[1]:,}-token contexts (GPU time: CUDA graph replays)", layout)
     console.print(f"saved {plots.save(fig, '08_decode_vs_batch')}")
-    splits = split_sweep(kernels, device, dtype, copy_gbs)
+    splits = None if args.skip_split_sweep else split_sweep(kernels, device, dtype, copy_gbs)
     engine = None if args.e2e_requests == 0 else engine_throughput(args, device, dtype)
     return dict(copy_bandwidth_gbs=copy_gbs, layout=layout, sms=kernels.sm_count(device), contexts=CONTEXTS,
                 batch_for_contexts=TARGET[0], by_context=by_context, goals=goal, batches=BATCHES,
