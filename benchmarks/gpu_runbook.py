@@ -206,10 +206,10 @@ def machine(device: str) -> dict[str, Any]:
     info: dict[str, Any] = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
                                 transformers=transformers.__version__, cpu_cores=os.cpu_count(), device=device)
     info["triton"] = importlib.util.find_spec("triton") and __import__("triton").__version__
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-        info["driver"] = run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    if device == "cuda":  # from nvidia-smi: this process holds no CUDA context while the parts run
+        gpu = run_quietly(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+        info["gpu"], info["driver"], info["gpu_memory"] = ([f.strip() for f in gpu.split(",")][:3] if gpu and gpu.count(",") >= 2
+                                                           else [None, None, None])
     info["tree"] = run_quietly(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
     return info
 

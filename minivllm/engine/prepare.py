@@ -115,13 +115,9 @@ def build_step_arrays(
     input_ids = np.zeros(T, dtype=np.int64)  # padding rows feed token 0
     input_ids[:int(query_start[S])] = np.fromiter(ids, dtype=np.int64, count=int(query_start[S]))
 
-    # The tables' entries in one pass over all of them (a loop over rows costs a NumPy call per
-    # sequence, most of this function's time at a GPU's batch sizes), laid into the first
-    # len(table) columns of each row: the mask's True cells, row by row, in that same order.
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=rows)
     block_tables = np.full((rows, W), -1, dtype=np.int64)
-    block_tables[np.arange(W) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64,
-                                                               count=int(lens.sum()))
+    for i, table in enumerate(tables):
+        block_tables[i, :len(table)] = table
     # Token at position p lives in block table[p // block_size], at offset p % block_size.
     slot_mapping = block_tables[seq_of, positions // block_size] * block_size + positions % block_size
 
