@@ -101,5 +101,6 @@ def unspecialised(kernel) -> tuple[set[str], set[str]]:
     if hasattr(kernel, "params"):  # triton.runtime.JITFunction
         return ({p.name for p in kernel.params if p.do_not_specialize},
                 {p.name for p in kernel.params if p.do_not_specialize_on_alignment})
-    options = kernel.kwargs  # the interpreter keeps triton.jit's options as they were given
+    # The interpreter keeps triton.jit's options as they were given (older ones, 3.2 among them, on its rewriter).
+    options = getattr(kernel, "kwargs", None) or kernel.rewriter.kwargs
     return set(options.get("do_not_specialize") or ()), set(options.get("do_not_specialize_on_alignment") or ())
