@@ -283,7 +283,8 @@ def engine_throughput(args: Any, device: torch.device, dtype: torch.dtype) -> di
 
 def benchmark(kernels: Any, args: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """Section 3 of chapter 8: the sweeps by context and by batch, the goals, the split sweep
-    (unless args.skip_split_sweep) and (unless args.e2e_requests is 0) the engine's throughput by attention backend."""
+    (unless args.skip_split_sweep) and (unless args.e2e_requests is 0) the engine's throughput
+    by attention backend."""
     from minivllm import plots
     from minivllm.machine import device_name
     from minivllm.plots.kernels import plot_bandwidth
