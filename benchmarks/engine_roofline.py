@@ -1,25 +1,28 @@
 """A roofline you can run: how close the engine comes to the memory floor of a workload (chapter 9).
 
     python benchmarks/engine_roofline.py [--device cpu|cuda] [--model SRC] [--dtype D] [--workload classroom|nano]
-                                  [--variants eager graphs graphs+fused] [--repeats N]
+                                  [--variants eager graphs graphs+fused] [--repeats N] [--peer-requests N]
 
-On a GPU (the numbers chapter 9 reports):
+On a GPU (the numbers chapter 9 reports; benchmarks/gpu_runbook.py runs it as part 5):
 
-    python benchmarks/engine_roofline.py --device cuda --model minivllm/configs/qwen3-0.6b.json --workload nano
-
-(at the speeds of the shared notes, about 1 minute per engine setting and 4 for transformers,
-whose continuous batching runs the nano workload at ~580 tok/s on an H100).
+    python benchmarks/engine_roofline.py --device cuda --model minivllm/configs/qwen3-0.6b.json --workload nano \
+        --peer-requests 64
 
 1. Measure the device's copy bandwidth (bytes read + written per second).
 2. Compute the workload's floor: the weights read once per decode step, every request's KV
    read once per step it decodes, over that bandwidth (minivllm/bench/roofline.py).
 3. Run the engine (`LLM.generate`, greedy, EOS ignored, each request's own output length)
-   `--repeats` times per engine setting (`--variants`, default: every one the device can run),
-   after a warm-up, and transformers' continuous batching (`generate_batch`) once, on the same
-   requests. Each setting gets an engine of its own, freed before the next one is built.
-4. Check every runner produced the engine's tokens, print a table (tok/s, share of the
-   roofline, speed against transformers), save benchmarks/results/09_roofline_<device>.json
-   and figures/09_roofline.png.
+   `--repeats` times per engine setting (`--variants`, default: every one the device can run).
+   Each setting gets an engine of its own, built (KV pool, CUDA graphs) and warmed up on the
+   workload's own paths (bench.workloads.warmup_workloads: Triton compiles nothing on the
+   clock) before its first timed run, and freed before the next one is built.
+4. transformers' continuous batching (`generate_batch`) once on the same requests, or with
+   `--peer-requests N` on the first N of them (it runs the nano workload at ~580 tok/s on an
+   H100: over 4 minutes for all 256), and then every engine setting on those N too, so that
+   the speed-up compares the same work.
+5. Check every runner produced the engine's tokens, print a table (tok/s, share of the
+   roofline of its own workload, speed against transformers), save
+   benchmarks/results/09_roofline_<device>.json and figures/09_roofline.png.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from rich.table import Table
 from minivllm import LLM, SamplingParams, plots
 from minivllm.bench.harness import (chapter_parser, console, format_tokens_per_second, load_for_chapter, save_results,
                                     useful_tokens)
-from minivllm.bench.workloads import WORKLOADS, Workload, make_workload
+from minivllm.bench.workloads import WORKLOADS, Workload, make_workload, warmup_workloads
 from minivllm.machine import environment, synchronize
 from minivllm.model import Decoder
 from minivllm.bench.peers import continuous_batching_unavailable, hf_generate_batch, to_transformers
@@ -85,38 +88,51 @@ def run_transformers(model: Decoder, work: Workload, warm: Workload) -> tuple[fl
     return timed(lambda prompts, lens: hf_generate_batch(hf_model, prompts, lens), work, model.device, PEER, bar=True)
 
 
-def measure(model: Decoder, work: Workload, variants: list[str], repeats: int) -> list[dict]:
-    """One row per runner: each engine setting (`repeats` runs, the median counts), then transformers
-    (one run), where the installed transformers has continuous batching."""
+def measure(model: Decoder, work: Workload, variants: list[str], repeats: int, peer_work: Workload) -> list[dict]:
+    """One row per runner: each engine setting on `work` (`repeats` runs, the median counts); then,
+    when the peer runs a smaller `peer_work` (the first requests of `work`), each setting once on
+    it; then transformers (one run on `peer_work`), where the installed transformers has
+    continuous batching. Each row names its workload; tokens are checked against the first
+    setting's on the same requests."""
     device = model.device
-    warm = Workload("warm-up", work.prompts[:2], [4, 4])
-    rows, outputs = [], {}
+    subset = len(peer_work.prompts) < len(work.prompts)
+    rows: list[dict] = []
+    outputs: dict[tuple[str, str], list[list[int]]] = {}
     for name in variants:
         # Repeats run the same prompts: without this, the prefix cache (chapter 11) would skip
         # their prefills, and the floor assumes every prompt is computed.
-        llm = LLM(model, enable_prefix_caching=False, **VARIANTS[name])
-        engine_runner(llm, progress=False)(warm.prompts, warm.output_lens)  # first calls pay for allocation, JIT
+        llm = LLM(model, enable_prefix_caching=False, **VARIANTS[name])  # builds the pool, captures the graphs
+        for warm in warmup_workloads(work):  # every path the timed runs take: Triton compiles now, not on the clock
+            engine_runner(llm, progress=False)(warm.prompts, warm.output_lens)
         seconds = []
         for repeat in range(repeats):
             label = f"minivllm ({name}), run {repeat + 1}/{repeats}"
-            s, outputs[name] = timed(engine_runner(llm, progress=True), work, device, label, bar=False)
+            s, outputs[name, work.name] = timed(engine_runner(llm, progress=True), work, device, label, bar=False)
             seconds.append(s)
             console.print(f"{label}: {s:.2f} s")
-        rows.append(dict(name=f"minivllm ({name})", options=VARIANTS[name], seconds=seconds))
+        rows.append(dict(name=f"minivllm ({name})", options=VARIANTS[name], workload=work.name, seconds=seconds))
+        if subset:
+            label = f"minivllm ({name}), {peer_work.name}"
+            s, outputs[name, peer_work.name] = timed(engine_runner(llm, progress=True), peer_work, device, label,
+                                                     bar=False)
+            console.print(f"{label}: {s:.2f} s")
+            rows.append(dict(name=label, options=VARIANTS[name], workload=peer_work.name, seconds=[s]))
         del llm
         free_memory(device)
     if reason := continuous_batching_unavailable():
         console.print(f"[yellow]{PEER} left out:[/] {reason}")
     else:
-        s, outputs[PEER] = run_transformers(model, work, warm)
-        console.print(f"{PEER}: {s:.2f} s")
-        rows.append(dict(name=PEER, options={}, seconds=[s]))
+        label = PEER if not subset else f"{PEER}, {peer_work.name}"
+        s, outputs[PEER, peer_work.name] = run_transformers(model, peer_work, Workload("warm-up", work.prompts[:2], [4, 4]))
+        console.print(f"{label}: {s:.2f} s")
+        rows.append(dict(name=label, options={}, workload=peer_work.name, seconds=[s]))
         free_memory(device)
-    reference = outputs[variants[0]]
-    for row, key in zip(rows, [*variants, PEER]):
-        same = sum(a == b for a, b in zip(outputs[key], reference))
-        row.update(median_seconds=statistics.median(row["seconds"]),
-                   useful_tokens=useful_tokens(outputs[key], work.output_lens),
+    for row in rows:
+        key = PEER if row["name"].startswith(PEER) else next(v for v in variants if row["options"] == VARIANTS[v])
+        got, reference = outputs[key, row["workload"]], outputs[variants[0], row["workload"]]
+        lens = work.output_lens[:len(got)]
+        same = sum(a == b for a, b in zip(got, reference))
+        row.update(median_seconds=statistics.median(row["seconds"]), useful_tokens=useful_tokens(got, lens),
                    same_tokens_as_engine=f"{same}/{len(reference)}")
         row["tokens_per_second"] = row["useful_tokens"] / row["median_seconds"]
     return rows
@@ -143,9 +159,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timed runs of each engine setting; the median counts")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--machine-note", default="", help="what else the machine was doing, saved with the results")
+    parser.add_argument("--peer-requests", type=int, default=None,
+                        help="run transformers on the first N requests only (and each engine setting on them too)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.peer_requests is not None and args.peer_requests < 1:
+        parser.error("--peer-requests must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_for_chapter(args)
@@ -170,13 +190,23 @@ def main() -> None:
                   f"{floor.kv_bytes / 1e9:,.2f} GB of KV = {floor.seconds:.3f} s, "
                   f"{floor.tokens_per_second:,.0f} tok/s at most")
 
-    rows = measure(model, work, variants, args.repeats)
-    peer = next((row["tokens_per_second"] for row in rows if row["name"] == PEER), None)
+    peer_work = work
+    if args.peer_requests is not None and args.peer_requests < len(work.prompts):
+        peer_work = work.subset(args.peer_requests)
+        peer_work.name = f"first {args.peer_requests} requests"
+    peer_floor = decode_floor(model.config, model.dtype, [len(p) for p in peer_work.prompts], peer_work.output_lens,
+                              bandwidth)
+    rows = measure(model, work, variants, args.repeats, peer_work)
+    peer = next((row["tokens_per_second"] for row in rows if row["name"].startswith(PEER)), None)
     for row in rows:
-        row["share_of_roofline"] = floor.seconds / row["median_seconds"]
-        row["speedup_over_transformers"] = row["tokens_per_second"] / peer if peer else None
+        own_floor = floor if row["workload"] == work.name else peer_floor
+        row["share_of_roofline"] = own_floor.seconds / row["median_seconds"]
+        same_work = row["workload"] == peer_work.name
+        row["speedup_over_transformers"] = row["tokens_per_second"] / peer if peer and same_work else None
     subtitle = (f"{args.workload} workload ({len(work.prompts)} requests), {shape}, {env['device']}, {env['dtype']}"
-                + (f", median of {args.repeats}" if args.repeats > 1 else ""))
+                + (f", median of {args.repeats}" if args.repeats > 1 else "")
+                + (f"; rows marked '{peer_work.name}' ran those alone (share of their own floor)"
+                   if peer_work is not work else ""))
     print_table(rows, f"the roofline: {subtitle}")
 
     on_cpu = model.device.type == "cpu"
@@ -187,7 +217,8 @@ def main() -> None:
                       output_lens=work.output_lens),
         bandwidth=dict(bytes_per_second=bandwidth, method="median of 10 device-to-device copies, read + write bytes",
                        cpu_threads=torch.get_num_threads() if on_cpu else None),
-        floor=floor.to_dict(),
+        floor=floor.to_dict(), peer_workload=dict(name=peer_work.name, requests=len(peer_work.prompts),
+                                                   floor=peer_floor.to_dict()),
         floor_note=(f"on a CPU the weights ({floor.weight_bytes / 1e6:,.0f} MB) may stay in the last-level cache "
                     "between steps, and the floor assumes they come from memory: a guide here, not a hard bound"
                     if on_cpu else ""),

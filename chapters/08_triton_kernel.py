@@ -1,6 +1,7 @@
 """Chapter 8 — paged attention in Triton: read the KV pool in place, at the speed of memory.
 
-    python chapters/08_triton_kernel.py [--device cpu|cuda] [--e2e-requests N] [--skip-flex] [--model SRC]
+    python chapters/08_triton_kernel.py [--device cpu|cuda] [--e2e-requests N] [--skip-flex] [--skip-split-sweep]
+                                        [--model SRC]
 
 (--model is the engine benchmark's model; default: Qwen3-0.6B's shape with random weights.)
 
@@ -138,6 +139,8 @@ def main() -> None:
     parser = chapter_parser(__doc__.splitlines()[1])
     parser.add_argument("--e2e-requests", type=int, default=128, help="requests of the engine benchmark (0: skip it)")
     parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (its compiles take time)")
+    parser.add_argument("--skip-split-sweep", action="store_true",
+                        help="leave out the sweep of splits and tiles (hundreds of compiles: minutes on a GPU)")
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":

@@ -156,12 +156,13 @@ def read_metrics(url: str) -> dict[str, float]:
     return values
 
 
-def full_table(payload: dict[str, Any], labels: list[str], workload: str, requests: int | None) -> Table:
+def full_table(payload: dict[str, Any], labels: list[str], workload: str, requests: int | list[int] | None) -> Table:
     """Every percentile of every level, one column per level and policy, side by side."""
     runs = payload["runs"]["concurrency"]
     env, levels = runs[labels[0]]["server"]["environment"], {label: runs[label]["levels"] for label in labels}
     shape = env["model"]
-    per_level = f"{requests} requests" if requests else "max(32, 4 × users) requests"
+    per_level = (f"{requests} requests" if isinstance(requests, int) else
+                 f"{', '.join(map(str, requests))} requests (by level)" if requests else "max(32, 4 × users) requests")
     table = Table(title=f"{env['device']}, {env['dtype']}, {shape['model_type']} {shape['parameters'] / 1e6:.1f}M "
                         f"({shape['num_layers']} layers, hidden {shape['hidden_size']})\nworkload {workload} "
                         f"(EOS ignored), {per_level} per level")
@@ -189,29 +190,31 @@ def users(n: float) -> str:
     return f"{n:g} user" + ("" if n == 1 else "s")
 
 
-def concurrency_levels(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1 (users per level, requests per level)."""
     try:
-        levels = [int(part) for part in text.split(",")]
+        numbers = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {text!r}")
-    return levels
+    if not numbers or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return numbers
 
 
 def main() -> None:
     parser = chapter_parser(__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=concurrency_levels, default=None,
+    parser.add_argument("--concurrency", type=positive_ints, default=None,
                         help="simulated users per level (default: 1,8,32 on a CPU, 1,8,32,128 on a GPU)")
-    parser.add_argument("--requests-per-level", type=int, default=None,
-                        help="requests per level (default: 32 on a CPU; bench-serve's max(32, 4 × users) on a GPU)")
+    parser.add_argument("--requests-per-level", type=positive_ints, default=None,
+                        help="requests per level, one number for all or one per level, e.g. 8,16,64,128 "
+                             "(default: 32 on a CPU; bench-serve's max(32, 4 × users) on a GPU)")
     parser.add_argument("--static-batch-size", type=int, default=16, help="the static server's batch size")
     parser.add_argument("--workload", default="classroom", choices=list(WORKLOADS), help="prompt and output lengths")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks of each server (default: 256 MiB each on a CPU, half the GPU's budget each)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
-    for name in ("requests_per_level", "num_kv_blocks", "threads", "static_batch_size"):
+    for name in ("num_kv_blocks", "threads", "static_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.threads:
@@ -219,7 +222,10 @@ def main() -> None:
     model = load_for_chapter(args)
     on_gpu = model.device.type == "cuda"
     concurrency = args.concurrency or ([1, 8, 32, 128] if on_gpu else [1, 8, 32])
-    requests = args.requests_per_level or (None if on_gpu else 32)
+    requests = args.requests_per_level or (None if on_gpu else [32])
+    if len(requests or []) not in (0, 1, len(concurrency)):
+        parser.error(f"--requests-per-level: one number, or one per level ({len(concurrency)}), got {requests}")
+    requests = requests if requests is None or len(requests) > 1 else requests[0]
     blocks = args.num_kv_blocks
     if blocks is None and on_gpu:  # two servers share the GPU: each gets half of what one would take
         blocks = kv_blocks_for_memory(model, ENGINE["block_size"], ENGINE["max_num_seqs"],

@@ -1,9 +1,12 @@
 """Shared fixtures: tiny random checkpoints of each supported family, as transformers models
-and as minivllm models loaded from them. And, for student copies, a hook that names the
-earlier exercise a check is waiting on."""
+and as minivllm models loaded from them; whether this process runs Triton's kernels in the
+interpreter or compiled for a GPU, and which checks run where. And, for student copies, a hook
+that names the earlier exercise a check is waiting on."""
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -47,6 +50,46 @@ def engine_as_of_its_chapter(request, monkeypatch):
     chapters = [m.name for m in request.node.iter_markers() if re.fullmatch(r"ch\d\d", m.name)]
     if chapters and max(chapters) < "ch11":
         monkeypatch.setattr("minivllm.engine.config.PREFIX_CACHING_DEFAULT", False)
+
+
+def wants_interpreter(cuda_available: bool, environ: Mapping[str, str]) -> bool:
+    """Whether this test process runs Triton kernels in Triton's CPU interpreter: where there is
+    no GPU (the only place they can run then), or where TRITON_INTERPRET=1 was set by hand."""
+    return environ.get("TRITON_INTERPRET") == "1" or not cuda_available
+
+
+# Triton decides between compiled and interpreted code when a @triton.jit function is defined,
+# its own library (tl.sum, tl.max, ...) included, so the choice is made once per process, here,
+# before anything imports Triton; it cannot be switched for some tests and back. A process that
+# interprets runs the interpreter checks of chapters 8 and 9 and skips the GPU checks; a process
+# on a GPU compiles, runs the GPU checks, and skips the interpreter checks, which then run in a
+# process of their own (tests/test_interpreter_scope.py starts one). Setting the variable at
+# collection instead, as those modules once did, interpreted every later test's kernels too.
+INTERPRETER = wants_interpreter(torch.cuda.is_available(), os.environ)
+if INTERPRETER:
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRETER_CHECKS = ["tests/test_ch08_triton.py", "tests/test_ch09_fused.py"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a process that interprets Triton kernels on a machine with a GPU (TRITON_INTERPRET=1 by
+    hand), the GPU checks would run interpreted kernels: skip them, saying where they run."""
+    if INTERPRETER and torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="TRITON_INTERPRET=1: this process runs Triton's interpreter; "
+                                       "the GPU checks run in a process without it (pytest -m gpu)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter() -> None:
+    """For checks that run Triton kernels on CPU tensors: skipped in a process that compiles them
+    for the GPU (see INTERPRETER)."""
+    pytest.importorskip("triton")
+    if not INTERPRETER:
+        pytest.skip("this process compiles Triton kernels for the GPU; the interpreter checks run in their own "
+                    f"process: TRITON_INTERPRET=1 pytest {' '.join(INTERPRETER_CHECKS)}")
 
 
 @pytest.fixture(scope="session", params=sorted(CONFIGS))

@@ -37,3 +37,19 @@ def test_engine_benchmark_writes_json_and_figure(tiny_checkpoint, tmp_path, monk
     steps = payload["minivllm_steps"]
     assert sum(kind["tokens"] for kind in steps) == sum(prompt_lens) + sum(output_lens) - len(prompt_lens)
     assert steps[0]["kind"].startswith("prefill")
+
+
+def test_host_step_benchmark_times_every_phase_of_a_decode_step(tmp_path, monkeypatch):
+    """benchmarks/host_step.py on a small batch: every measured step is a decode step of the
+    whole batch (it checks that itself), and the phases add up to no more than the step."""
+    script = Path(__file__).parents[1] / "benchmarks" / "host_step.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), "--batch-size", "8", "--context", "40", "--steps", "3",
+                                      "--rounds", "1"])
+    runpy.run_path(str(script), run_name="__main__")
+    payload = json.loads((tmp_path / "benchmarks/results/09_host_step_cpu.json").read_text())
+    medians = payload["medians_ms"]["this tree"]
+    assert payload["runs"]["this tree"][0]["minivllm"] == str(Path(__file__).parents[1] / "minivllm")
+    parts = ("schedule", "prepare (eager)", "sample", "finish")
+    assert all(medians[p] > 0 for p in parts) and medians["prepare (graph)"] > 0
+    assert sum(medians[p] for p in parts) <= 1.05 * medians["step"] + 1e-3

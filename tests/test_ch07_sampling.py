@@ -150,3 +150,30 @@ def test_valid_sampling_params_are_normalised_not_converted():
     assert (p.stop, p.stop_token_ids, p.top_k, p.max_tokens, p.temperature, p.seed) == (("\n",), (3, 4), -1, None, 1.0, -5)
     assert SamplingParams(stop=("a", "b")).stop == ("a", "b")
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.01).greedy
+
+
+def test_rows_without_a_seed_share_one_draw(monkeypatch):
+    """The common case, requests without a seed: one Exp(1) draw for all of their rows (one
+    launch), not one per row; each seeded row still draws from its own generator. And the
+    shared draw samples the softmax, row by row independently."""
+    calls = []
+    exponential = torch.Tensor.exponential_
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: calls.append(self.shape) or
+                        exponential(self, *a, **k))
+    seqs = rows_of(SamplingParams(temperature=1.0), DRAWS)  # no generator: no seed
+    seeded = rows_of(SamplingParams(temperature=1.0, seed=1), 2, torch.Generator().manual_seed(1))
+    tokens = Sampler()(LOGITS.expand(DRAWS + 2, -1), seqs + seeded, set()).token_ids
+    assert len(calls) == 3, f"{len(calls)} draws for {DRAWS} unseeded and 2 seeded rows"
+    freq = torch.bincount(torch.tensor(tokens[:DRAWS]), minlength=len(LOGITS)).double() / DRAWS
+    torch.testing.assert_close(freq, expected_probs(LOGITS, 1.0, 0, 1.0), atol=0.015, rtol=0)
+
+
+def test_the_engine_draws_once_per_step_for_requests_without_a_seed(qwen3_model, monkeypatch):
+    calls = []
+    exponential = torch.Tensor.exponential_
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, *a, **k: calls.append(self.shape) or
+                        exponential(self, *a, **k))
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    outputs = LLM(qwen3_model).generate([PROMPT, *OTHERS], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)
+    assert len(calls) == 3, f"{len(calls)} draws in 3 steps of 4 unseeded requests"  # one prefill step, two decodes

@@ -8,19 +8,15 @@ Python, so shapes are tiny; bf16 is left to the GPU (the interpreter's bf16 matm
 """
 from __future__ import annotations
 
-import os
+import random
+from types import SimpleNamespace
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined: import them lazily, below
+import pytest
+import torch
 
-import random  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from minivllm.attention.masks import chunk_mask  # noqa: E402
-from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch, paged_decode, store_kv  # noqa: E402
-from tiny_models import reference_attention  # noqa: E402
+from minivllm.attention.masks import chunk_mask
+from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch, paged_decode, store_kv
+from tiny_models import reference_attention, unspecialised
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.ch08
@@ -33,11 +29,11 @@ LAYOUTS = [(1, 64, 2, 2), (16, 128, 4, 2), (13, 64, 8, 1), (16, 64, 16, 2), (5, 
 
 
 @pytest.fixture(scope="module")
-def kernels():
+def kernels(triton_interpreter):
+    """The attention kernels, run by Triton's interpreter for this module's checks only (conftest.py)."""
     from minivllm.attention import triton_kernels
 
-    if not triton_kernels.INTERPRETED:
-        pytest.fail("minivllm.attention.triton_kernels was imported before TRITON_INTERPRET=1 was set")
+    assert triton_kernels.INTERPRETED, "minivllm.attention.triton_kernels was not imported under TRITON_INTERPRET=1"
     return triton_kernels
 
 
@@ -76,6 +72,41 @@ def reference(q: torch.Tensor, pool: KVPool, batch: PagedBatch) -> torch.Tensor:
                                                        chunk_mask(q_len, ctx - q_len))
         start += q_len
     return out
+
+
+# What changes from one engine step to the next, by kernel: views into the step's packed inputs
+# (their offsets move with its token and sequence counts) and the tables' row stride (its
+# longest table). Specialising on them would compile new variants in the middle of a run.
+PER_STEP = {
+    "_store_kv_kernel": ({"slots_ptr"}, set()),
+    "_paged_decode_kernel": ({"block_tables_ptr", "context_lens_ptr"}, {"stride_table"}),
+    "_paged_prefill_kernel": ({"block_tables_ptr", "query_start_ptr", "context_lens_ptr"}, {"stride_table"}),
+    "_merge_partials_kernel": (set(), {"num_partitions"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_STEP))
+def test_per_step_arguments_are_not_specialised(kernels, name):
+    pointers, ints = PER_STEP[name]
+    value, alignment = unspecialised(getattr(kernels, name))
+    assert ints <= value, f"{name} would compile a variant for an int equal to 1: {sorted(ints - value)}"
+    assert pointers | ints <= alignment, f"{name} would compile a variant per alignment: {sorted(pointers | ints - alignment)}"
+
+
+def test_the_merge_compiles_one_tile_for_every_split_the_engine_chooses(kernels, monkeypatch):
+    """BLOCK_P is a constexpr: one value for every P up to MAX_PARTITIONS, the ones decode_plan gives."""
+    seen = []
+    launch = kernels._merge_partials_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["BLOCK_P"]) or launch[grid](*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "_merge_partials_kernel", Recorder())
+    for P in (2, 5, 16, kernels.MAX_PARTITIONS):
+        maxes, sums = torch.zeros(1, 1, P), torch.ones(1, 1, P)
+        kernels.merge_partials_triton(maxes, sums, torch.zeros(1, 1, P, 16), dtype=torch.float32)
+    assert len(set(seen)) == 1, f"tile sizes {seen} for 2 to {kernels.MAX_PARTITIONS} partitions"
 
 
 def test_store_kv_matches_torch(kernels):

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined: import them lazily, below
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import random_prompts, unspecialised
+from torch import nn
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tiny_models import random_prompts  # noqa: E402
-from torch import nn  # noqa: E402
-
-from minivllm.attention.dense import attend  # noqa: E402
-from minivllm.attention.masks import causal_mask  # noqa: E402
-from minivllm.config import ModelConfig  # noqa: E402
-from minivllm.fused import check_fused_ops, fused_forward, merge_projections, rope_cos_sin_table  # noqa: E402
-from minivllm.model import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq  # noqa: E402
+from minivllm.attention.dense import attend
+from minivllm.attention.masks import causal_mask
+from minivllm.config import ModelConfig
+from minivllm.fused import check_fused_ops, fused_forward, merge_projections, rope_cos_sin_table
+from minivllm.model import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.ch09
@@ -35,11 +32,11 @@ HALF = dict(atol=2e-3, rtol=2e-3)  # fp16: a last-bit difference in rsqrt or exp
 
 
 @pytest.fixture(scope="module")
-def kernels():
+def kernels(triton_interpreter):
+    """The fused kernels, run by Triton's interpreter for this module's checks only (conftest.py)."""
     from minivllm.fused import kernels as fused_kernels
 
-    if not fused_kernels.INTERPRETED:
-        pytest.fail("minivllm.fused.kernels was imported before TRITON_INTERPRET=1 was set")
+    assert fused_kernels.INTERPRETED, "minivllm.fused.kernels was not imported under TRITON_INTERPRET=1"
     return fused_kernels
 
 
@@ -135,6 +132,12 @@ def test_silu_mul_matches_model(kernels, T, width, dtype):
     gate_up = randn(T, 2 * width, seed=12, dtype=dtype, scale=4.0)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up, **(TIGHT if dtype == torch.float32 else HALF))
+
+
+def test_positions_are_not_specialised_on(kernels):
+    """positions is a view into the step's packed inputs, at an offset that moves with its
+    number of tokens: specialising on its alignment would compile variants mid-run."""
+    assert "positions_ptr" in unspecialised(kernels._qk_norm_rope_kernel)[1]
 
 
 def test_kernels_refuse_bad_shapes(kernels):

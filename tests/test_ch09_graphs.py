@@ -4,7 +4,8 @@ There are no CUDA graphs on a CPU, so the graph runner runs with `EagerGraph`, w
 for a captured graph (same static buffers, batch-size buckets and padding rows; replay just
 calls the forward again). That checks what can go wrong in the runner itself: a wrong bucket,
 padding rows that write into a request's cache, stale rows in the static buffers, a wrong row
-read back. On a GPU the same tests run with real capture (`CudaGraph`).
+read back. The graph class follows the model's device, so these CPU models use `EagerGraph`
+on a GPU machine too; the checks marked `gpu` load the model on CUDA and capture for real.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from tiny_models import random_prompts
 
 from minivllm import LLM, LLMEngine, SamplingParams
-from minivllm.engine.cuda_graphs import CudaGraph, EagerGraph, bucket_for, graph_batch_sizes
+from minivllm.engine.cuda_graphs import CudaGraph, EagerGraph, GraphRunner, bucket_for, graph_batch_sizes
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.prepare import build_step_arrays
 from minivllm.engine.sequence import Sequence
@@ -26,7 +27,6 @@ pytestmark = pytest.mark.ch09
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 ON_GPU = torch.cuda.is_available()
-GRAPH_CLASS = CudaGraph if ON_GPU else EagerGraph
 
 
 def test_graph_batch_sizes():
@@ -99,13 +99,44 @@ def test_padding_rows_only_touch_the_spare_block():
 
 
 def with_graphs(llm: LLM, **options) -> LLM:
-    """Swap the engine's runner for one that replays decode steps from (stand-in) graphs."""
+    """Swap the engine's runner for one that replays decode steps from graphs: captured ones on
+    CUDA, the stand-in on a CPU (the runner chooses by the model's device)."""
     engine = llm.engine
     runner = engine.runner
     config = dataclasses.replace(engine.config, cuda_graphs=True, **options)
-    engine.runner = ModelRunner(engine.model, config, graph_class=GRAPH_CLASS)
+    engine.runner = ModelRunner(engine.model, config)
     assert runner.pool.k.shape == engine.runner.pool.k.shape
+    expected = CudaGraph if engine.model.device.type == "cuda" else EagerGraph
+    assert {type(g) for g in engine.runner.graphs.graphs.values()} == {expected}
     return llm
+
+
+def test_the_graph_class_follows_the_pool_device(qwen3_model):
+    """A CUDA graph of CPU tensors records nothing and replays nothing: CPU pools get EagerGraph,
+    and CudaGraph, asked for by name, refuses them."""
+    llm = with_graphs(LLM(qwen3_model, max_num_seqs=4))
+    runner = llm.engine.runner
+    with pytest.raises(ValueError, match="EagerGraph"):
+        GraphRunner(runner.forward, runner.pool, runner.attention_class, 4, 64, graph_class=CudaGraph)
+
+
+def test_a_replayed_step_writes_only_the_columns_it_uses(qwen3_model):
+    """The graphs' tables are as wide as the longest context allowed (2,560 columns for
+    Qwen3-0.6B); a step copies its tables, only as wide as its longest, in its one packed copy
+    and writes them into the first columns of its rows: the rest keep what was there."""
+    llm = with_graphs(LLM(qwen3_model, max_num_seqs=8, max_model_len=256, block_size=4, num_kv_blocks=64))
+    graphs = llm.engine.runner.graphs
+    assert graphs.tables.shape == (8, 64)
+    seqs = [make_seq(str(i), list(range(5 + 2 * i)), 4 + 2 * i, list(range(3 * i, 3 * i + 2 + i // 2)))
+            for i in range(5)]
+    with torch.inference_mode():  # as the engine runs a step (the buffers were made under it)
+        graphs.tables.fill_(777)  # what earlier, longer steps may have left in the tables
+        size, arrays, flat = graphs.prepare(seqs)
+    width = arrays.block_tables.shape[1]
+    assert size == 8 and width == 4  # the longest table: 4 blocks
+    assert (graphs.tables[:, width:] == 777).all(), "a step wrote columns it does not use"
+    assert graphs.tables[:size, :width].tolist() == arrays.block_tables.tolist()
+    assert torch.equal(flat.cpu(), torch.from_numpy(arrays.pack()))  # one copy carries the step, tables too
 
 
 class CountingReplays:
@@ -175,27 +206,56 @@ def test_bad_engine_settings_are_refused(qwen3_model, name, value):
         LLMEngine(qwen3_model, **{name: value})
 
 
+@pytest.mark.parametrize("settings", [
+    dict(max_num_seqs=16),
+    dict(block_size=4, num_kv_blocks=18, max_num_batched_tokens=24, max_num_seqs=7),
+], ids=["roomy", "starved"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_captured_graphs_give_transformers_tokens(hf_models, reference, settings):
+    """Real capture: the model and its KV pool on CUDA (fp32), decode steps replayed from
+    CudaGraphs of every bucket they reach, against transformers on the CPU."""
+    from minivllm import load_model
+
+    model = load_model(hf_models["qwen3"], device="cuda", dtype=torch.float32)
+    llm = with_graphs(LLM(model, attention="triton", cuda_graphs=False, fused_ops=False, **settings))
+    counter = CountingReplays(llm.engine.runner)
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in LENGTHS]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == [reference(hf_models["qwen3"], p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    assert len(counter.counts) > 2, f"only buckets {sorted(counter.counts)} were replayed"
+
+
+def strict(function):
+    """`function`, raising if it makes the host wait for the GPU (torch's sync debug mode)."""
+    def wrapped(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return wrapped
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device: a CPU has no host-device synchronisation to catch")
-def test_a_step_never_waits_for_the_gpu_before_sampling(hf_models):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_step_never_waits_for_the_gpu_before_reading_its_tokens(hf_models, sampled):
     """Preparing inputs and running the model (eager prefill steps and graph-replayed decode
-    steps alike) must not synchronise with the GPU; only reading the sampled tokens may."""
+    steps alike), and choosing the tokens (greedy, or sampled with top-p, with and without a
+    seed), must not synchronise with the GPU; only reading the chosen tokens back may."""
     from minivllm import load_model
 
     model = load_model(hf_models["qwen3"], device="cuda")
     engine = LLMEngine(model, max_num_seqs=8, max_model_len=128)
     assert engine.runner.graphs is not None
-    run = engine.runner.run
-
-    def strict_run(schedule):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return run(schedule)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    engine.runner.run = strict_run
+    engine.runner.run = strict(engine.runner.run)
+    engine.sampler.sample_rows = strict(engine.sampler.sample_rows)  # everything but the tokens' .tolist()
     for i, prompt in enumerate(PROMPTS[:5]):
-        engine.add_request(prompt, SamplingParams(max_tokens=6, **GREEDY), request_id=str(i))
+        params = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=i if i % 2 else None,
+                                ignore_eos=True) if sampled else SamplingParams(max_tokens=6, **GREEDY)
+        engine.add_request(prompt, params, request_id=str(i))
     for _ in range(100):
         if not engine.has_unfinished_requests():
             break

@@ -1,8 +1,10 @@
 """Chapter 9's roofline: the floor's arithmetic against hand-computed cases and the shared notes'
-nano numbers, a measured bandwidth, and the benchmark script end to end on a tiny checkpoint."""
+nano numbers, a measured bandwidth, the benchmark script end to end on a tiny checkpoint, and
+its warm-up, which must take every path the timed run takes."""
 from __future__ import annotations
 
 import json
+import random
 import runpy
 import sys
 from pathlib import Path
@@ -10,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm import ModelConfig
+from minivllm import LLM, ModelConfig, SamplingParams
 from minivllm.bench.peers import continuous_batching_unavailable
 from minivllm.bench.roofline import decode_floor
 from minivllm.bench.timing import copy_bandwidth
-from minivllm.bench.workloads import make_workload
+from minivllm.bench.workloads import Workload, make_workload, warmup_workloads
 from minivllm.loader import CONFIGS, read_config
 from minivllm.model import Decoder
 
@@ -87,16 +89,58 @@ def test_copy_bandwidth_is_positive():
 def test_the_benchmark_runs_end_to_end(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(BENCHMARK), "--model", str(tiny_checkpoint), "--workload", "tiny",
-                                      "--requests", "4", "--device", "cpu"])
+                                      "--requests", "4", "--peer-requests", "2", "--device", "cpu"])
     runpy.run_path(str(BENCHMARK), run_name="__main__")
     payload = json.loads((tmp_path / "benchmarks/results/09_roofline_cpu.json").read_text())
     assert (tmp_path / "figures/09_roofline.png").stat().st_size > 10_000
-    peer = [] if continuous_batching_unavailable() else ["transformers generate_batch"]  # transformers < 5.5 has none
-    assert [row["name"] for row in payload["rows"]] == ["minivllm (eager)", *peer]
+    # transformers < 5.5 has no continuous batching to compare with
+    peer = [] if continuous_batching_unavailable() else ["transformers generate_batch, first 2 requests"]
+    assert [row["name"] for row in payload["rows"]] == ["minivllm (eager)", "minivllm (eager), first 2 requests", *peer]
     output_lens = payload["workload"]["output_lens"]
-    floor = payload["floor"]
-    assert floor["weight_reads"] == max(output_lens) and floor["output_tokens"] == sum(output_lens)
+    floors = {"tiny": payload["floor"], "first 2 requests": payload["peer_workload"]["floor"]}
+    assert floors["tiny"]["weight_reads"] == max(output_lens) and floors["tiny"]["output_tokens"] == sum(output_lens)
+    assert floors["first 2 requests"]["output_tokens"] == sum(output_lens[:2])
     for row in payload["rows"]:
-        assert row["same_tokens_as_engine"] == "4/4", row["name"]
-        assert row["useful_tokens"] == sum(output_lens)
-        assert row["share_of_roofline"] == pytest.approx(floor["seconds"] / row["median_seconds"])
+        n = 4 if row["workload"] == "tiny" else 2
+        assert row["same_tokens_as_engine"] == f"{n}/{n}", row["name"]
+        assert row["useful_tokens"] == sum(output_lens[:n])
+        assert row["share_of_roofline"] == pytest.approx(floors[row["workload"]]["seconds"] / row["median_seconds"])
+        assert (row["speedup_over_transformers"] is None) == (n == 4 or not peer)
+
+
+def test_the_warm_up_takes_every_path_the_timed_run_takes(qwen3_model):
+    """A Triton kernel compiles once per path: prefill, decode in one pass (batches that fill
+    the GPU), decode split into partitions (a few long contexts). Under a decode plan that
+    splits small batches of long contexts, every path of the timed run is taken by the warm-up
+    first, on the same engine."""
+    pytest.importorskip("triton")
+    from minivllm.attention.triton_kernels import decode_plan
+
+    rng = random.Random(0)
+    n = 24
+    work = Workload("test", [[rng.randrange(97) for _ in range(rng.randint(100, 200))] for _ in range(n)],
+                    [rng.randint(1, 30) for _ in range(n)])
+    llm = LLM(qwen3_model, max_num_seqs=n, enable_prefix_caching=False)
+    kv_heads, paths, run = qwen3_model.config.num_kv_heads, [], llm.engine.runner.run
+
+    def recording_run(schedule):
+        decode = all(n == 1 and s.num_computed_tokens == s.num_tokens - 1 for s, n in
+                     zip(schedule.seqs, schedule.num_new_tokens))
+        context = max(s.num_computed_tokens + 1 for s in schedule.seqs)
+        split = decode_plan(len(schedule.seqs), kv_heads, context, block_n=16, num_sms=2) > 1
+        paths[-1].add(("decode", "split" if split else "one pass") if decode else ("prefill",))
+        return run(schedule)
+
+    llm.engine.runner.run = recording_run
+
+    def generate(w: Workload) -> None:
+        paths.append(set())
+        llm.generate(w.prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in w.output_lens],
+                     use_tqdm=False)
+
+    for warm in warmup_workloads(work):
+        generate(warm)
+    warm_paths = set().union(*paths)
+    generate(work)
+    assert len(paths[-1]) == 3, f"this workload should take all three paths, took {paths[-1]}"
+    assert paths[-1] <= warm_paths, f"the timed run takes {paths[-1] - warm_paths}, which the warm-up never took"

@@ -60,3 +60,47 @@ def test_large_workloads_sample_the_one_group_at_a_time_stages(tiny_checkpoint, 
     assert rows["naive"]["useful_tokens"] == sum(payload["workload"]["output_lens"][:sampled])
     assert rows["paged"]["note"] == "" and rows["paged"]["useful_tokens"] == sum(payload["workload"]["output_lens"])
     assert all(r["agrees"] == "✓" for r in rows.values())
+
+
+def test_engines_are_built_before_the_clock_starts(tiny_checkpoint, tmp_path, monkeypatch):
+    """An engine stage's set-up (its KV pool; on a GPU its CUDA graphs and the warm-up that
+    compiles its kernels) is not generation: no engine is built while a stage is timed."""
+    import minivllm.bench.tour as tour
+    from minivllm.engine.llm_engine import LLMEngine
+
+    monkeypatch.chdir(tmp_path)
+    timing, built = [False], []
+    run_stage, init = tour.run_stage, LLMEngine.__init__
+
+    def timed_stage(*args, **kwargs):
+        timing[0] = True
+        try:
+            return run_stage(*args, **kwargs)
+        finally:
+            timing[0] = False
+
+    def recording_init(self, *args, **kwargs):
+        built.append(timing[0])
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(tour, "run_stage", timed_stage)
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    payload = tour.run_tour(tiny_checkpoint, device="cpu", workload="tiny", num_requests=4,
+                            stages=["continuous", "cuda_graphs"], check=2, peers=False)
+    assert all(r["agrees"] == "✓" for r in payload["rows"])
+    assert built and not any(built), f"{sum(built)} of {len(built)} engines were built while a stage was timed"
+
+
+def test_on_a_gpu_the_launch_bound_stages_always_run_a_sample():
+    """The GPU tour's own workload (ladder_gpu: about 18k output tokens) is below the size at
+    which a CPU samples; on a GPU naive decoding at ~26 tok/s would need over ten minutes for it."""
+    import minivllm.bench.tour as tour
+    from minivllm.bench.workloads import make_workload
+
+    work = make_workload(tour.GPU_DEFAULT_WORKLOAD, 151936)
+    assert work.num_output_tokens < tour.LARGE_WORKLOAD_TOKENS
+    for name, size in tour.GPU_SAMPLED_STAGES.items():
+        assert tour.sample_size(name, work, on_gpu=True) == size
+        assert tour.sample_size(name, work, on_gpu=False) is None
+    assert tour.sample_size("continuous", work, on_gpu=True) is None
+    assert tour.sample_size("naive", work.subset(2), on_gpu=True) is None  # all of it already

@@ -93,3 +93,14 @@ def raises_runtime_error(match: str) -> Iterator[None]:
         assert re.search(match, str(error)), f"expected a RuntimeError matching {match!r}, got: {error}"
     else:
         pytest.fail(f"expected a RuntimeError matching {match!r}; nothing was raised")
+
+
+def unspecialised(kernel) -> tuple[set[str], set[str]]:
+    """The arguments a Triton kernel is told not to specialise on: (do_not_specialize,
+    do_not_specialize_on_alignment), for a compiled kernel or an interpreted one."""
+    if hasattr(kernel, "params"):  # triton.runtime.JITFunction
+        return ({p.name for p in kernel.params if p.do_not_specialize},
+                {p.name for p in kernel.params if p.do_not_specialize_on_alignment})
+    # The interpreter keeps triton.jit's options as they were given (older ones, 3.2 among them, on its rewriter).
+    options = getattr(kernel, "kwargs", None) or kernel.rewriter.kwargs
+    return set(options.get("do_not_specialize") or ()), set(options.get("do_not_specialize_on_alignment") or ())

@@ -40,6 +40,16 @@ read), plus q and the output, plus the fp32 partials written by pass 1 and read 
 tokens with Qwen3-0.6B's heads in bf16 that is 1 GiB of K/V against 2 MiB of partials: the
 kernel can only be as fast as the GPU reads memory, and a good one gets close.
 
+What Triton compiles. A kernel is compiled once per *variant*: its constexpr arguments, and
+what Triton assumes about the others unless told not to (an int equal to 1 or divisible by 16,
+a pointer aligned to 16 bytes). The engine's step inputs are views into one packed buffer
+(engine/prepare.py) whose offsets move with the step's numbers of tokens and sequences, and the
+tables' row stride is the step's longest table: left to Triton, each new parity or width would
+compile a variant in the middle of a run. Those arguments are marked `do_not_specialize` /
+`do_not_specialize_on_alignment` below (index arrays, read by scalar or gathering loads that
+the assumptions do not speed up), and the merge's tile of partitions is one size up to MAX_PARTITIONS: what is left to
+compile is a model's shapes, the dtype, and decode's two paths (one pass or split).
+
 Triton is imported at the top: import this module only where triton is installed. Kernels are
 compiled for the GPU unless TRITON_INTERPRET=1 was set before this module was imported, in
 which case they run (slowly) on the CPU in Triton's interpreter (see INTERPRETED). The
@@ -142,7 +152,9 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 # ------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (see the module doc): here the
+# slots, a view into the step's packed inputs.
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     stride_k_token, stride_k_head, stride_v_token, stride_v_head, stride_cache_slot, stride_cache_head,
@@ -238,7 +250,8 @@ def decode_plan(num_seqs: int, num_kv_heads: int, max_context_len: int, block_n:
     return max(1, min(to_fill, tiles // MIN_PARTITION_TILES, MAX_PARTITIONS))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr", "stride_table"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, max_ptr, sum_ptr, acc_ptr, scale,
@@ -312,7 +325,7 @@ def _paged_decode_kernel(
         tl.store(acc_ptr + acc_offsets, acc, mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions"], do_not_specialize_on_alignment=["num_partitions"])
 def _merge_partials_kernel(
     max_ptr, sum_ptr, acc_ptr, out_ptr, num_partitions,
     stride_part_seq, stride_part_head, stride_acc_seq, stride_acc_head, stride_acc_part,
@@ -409,11 +422,13 @@ def merge_partials_triton(maxes: torch.Tensor, sums: torch.Tensor, accs: torch.T
     (fp32, contiguous) -> [S, H, D] in `dtype`."""
     S, H, P, D = accs.shape
     out = torch.empty(S, H, D, dtype=dtype, device=accs.device)
+    # One tile size for every P the engine chooses (P <= MAX_PARTITIONS): the partitions past P
+    # are masked, and a step whose batch changes P compiles nothing new.
     _merge_partials_kernel[(S, H)](
         maxes, sums, accs, out, P,
         maxes.stride(0), maxes.stride(1), accs.stride(0), accs.stride(1), accs.stride(2),
         out.stride(0), out.stride(1),
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_P=triton.next_power_of_2(P),
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_P=triton.next_power_of_2(max(P, MAX_PARTITIONS)),
     )
     return out
 
@@ -445,7 +460,8 @@ def paged_decode(
 # ------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_ptr", "context_lens_ptr", "stride_table"])
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr, scale,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,

@@ -250,7 +250,7 @@ def engine_throughput(args: Any, device: torch.device, dtype: torch.dtype) -> di
     """The continuous engine on a nano-style workload, attention="torch" vs "triton"."""
     from minivllm import plots
     from minivllm.bench.harness import results_table, run_stage
-    from minivllm.bench.workloads import make_workload
+    from minivllm.bench.workloads import make_workload, warmup_workloads
     from minivllm.loader import CONFIGS, load_model
     from minivllm.plots.lines import plot_bars
     from minivllm.stages import continuous
@@ -260,12 +260,14 @@ def engine_throughput(args: Any, device: torch.device, dtype: torch.dtype) -> di
     model = load_model(source, device=str(device), dtype=dtype)
     workload = make_workload("nano", model.config.vocab_size, args.seed, num_requests=args.e2e_requests)
     console.print(f"  {source} on {device}, {str(dtype).removeprefix('torch.')}; {workload.describe()}")
-    warm = make_workload("tiny", model.config.vocab_size, args.seed)  # compiles the kernels first
-    stages = {"torch": (continuous.generate, dict(attention="torch")), "triton": (triton_stage.generate, {})}
     results = []
-    for name, (generate, options) in stages.items():
-        generate(model, warm.prompts, warm.output_lens, **options)
-        results.append(run_stage(name, generate, model, workload, **options))
+    for name, stage in {"torch": continuous, "triton": triton_stage}.items():
+        # The engine is built, and its kernels compiled on every path the timed run takes, before the clock starts.
+        llm = stage.engine_for(model, workload.prompts, workload.output_lens)
+        for warm in warmup_workloads(workload):
+            stage.generate(model, warm.prompts, warm.output_lens, llm=llm)
+        results.append(run_stage(name, stage.generate, model, workload, llm=llm))
+        del llm
     console.print(results_table(results, "Engine throughput by attention backend"))
     same = sum(a == b for a, b in zip(results[0].outputs, results[1].outputs))
     console.print(f"  identical greedy outputs: {same} of {len(workload.prompts)} requests"
@@ -281,7 +283,8 @@ def engine_throughput(args: Any, device: torch.device, dtype: torch.dtype) -> di
 
 def benchmark(kernels: Any, args: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """Section 3 of chapter 8: the sweeps by context and by batch, the goals, the split sweep
-    and (unless args.e2e_requests is 0) the engine's throughput by attention backend."""
+    (unless args.skip_split_sweep) and (unless args.e2e_requests is 0) the engine's throughput
+    by attention backend."""
     from minivllm import plots
     from minivllm.machine import device_name
     from minivllm.plots.kernels import plot_bandwidth
@@ -300,7 +303,7 @@ def benchmark(kernels: Any, args: Any, device: torch.device, dtype: torch.dtype)
     fig = plot_bandwidth(BATCHES, by_batch["seconds"], by_batch["bandwidth"], copy_gbs, "batch size (sequences)",
                          f"Decode attention, {TARGET[1]:,}-token contexts (GPU time: CUDA graph replays)", layout)
     console.print(f"saved {plots.save(fig, '08_decode_vs_batch')}")
-    splits = split_sweep(kernels, device, dtype, copy_gbs)
+    splits = None if args.skip_split_sweep else split_sweep(kernels, device, dtype, copy_gbs)
     engine = None if args.e2e_requests == 0 else engine_throughput(args, device, dtype)
     return dict(copy_bandwidth_gbs=copy_gbs, layout=layout, sms=kernels.sm_count(device), contexts=CONTEXTS,
                 batch_for_contexts=TARGET[0], by_context=by_context, goals=goal, batches=BATCHES,

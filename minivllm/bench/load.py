@@ -200,7 +200,7 @@ def clip_to_context(workload: Workload, max_model_len: int) -> Workload:
 
 
 def bench_serve(urls: Sequence[str], concurrency: Sequence[int] | None = None, rates: Sequence[float] | None = None,
-                workload: str = "classroom", requests: int | None = None, seed: int = 0, slo: SLO = SLO(),
+                workload: str = "classroom", requests: int | Sequence[int] | None = None, seed: int = 0, slo: SLO = SLO(),
                 labels: Sequence[str] | None = None, results: str | None = None, figure: str | None = None,
                 timeout: float = 300.0, deadline: float = 900.0) -> dict[str, Any]:
     """Measure one or more servers at every level, print a table per server, merge each run
@@ -210,10 +210,17 @@ def bench_serve(urls: Sequence[str], concurrency: Sequence[int] | None = None, r
     With several servers (say a continuous and a static one, both started beforehand), each
     level runs on every server before the next level starts: on a shared machine whose load
     drifts, the servers are compared side by side rather than minutes apart. A server that is
-    not being measured sits idle (its engine thread waits on its inbox). Returns the file's
-    content."""
+    not being measured sits idle (its engine thread waits on its inbox). `requests`: per level,
+    one count for all or one per level (default: max(32, 4 × users), or max(32, 16 × rate)).
+    Returns the file's content."""
     if (concurrency is None) == (rates is None):
         raise ValueError("give either concurrency levels or request rates")
+    levels_given = list(concurrency if concurrency is not None else rates)
+    counts = list(requests) if isinstance(requests, Sequence) else [requests] * len(levels_given)
+    if len(counts) != len(levels_given) or any(n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                                                                  or n < 1) for n in counts):
+        raise ValueError(f"requests must be None, an int >= 1 or one such int per level ({len(levels_given)}), "
+                         f"got {requests!r}")
     for value in concurrency or rates:
         if not value > 0:
             raise ValueError(f"concurrency levels and rates must be > 0, got {value!r}")
@@ -230,8 +237,8 @@ def bench_serve(urls: Sequence[str], concurrency: Sequence[int] | None = None, r
         asyncio.run(warm_up(url, info["model"], info["vocab_size"]))
 
     levels: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
-    for x in xs:
-        n = requests or (max(32, 4 * x) if x_key == "concurrency" else max(32, math.ceil(16 * x)))
+    for x, count in zip(xs, counts):
+        n = count or (max(32, 4 * x) if x_key == "concurrency" else max(32, math.ceil(16 * x)))
         for url, info, label in zip(urls, infos, labels):
             work = make_workload(workload, info["vocab_size"], seed=seed, num_requests=n,
                                  rate=x if x_key == "rate" else None)

@@ -16,14 +16,14 @@ from rich.progress import Progress
 from minivllm import plots
 from minivllm.bench.harness import (StageResult, console, format_bytes, format_tokens_per_second, run_stage,
                                     save_results)
-from minivllm.bench.workloads import Workload, make_workload
+from minivllm.bench.workloads import Workload, make_workload, warmup_workloads
 from minivllm.machine import environment
 from minivllm.loader import CONFIGS, default_device, load_model
 from minivllm.model import Decoder
 from minivllm.bench.peers import (continuous_batching_unavailable, hf_generate_batch, hf_static_generate, to_transformers,
                             token_positions)
 from minivllm.plots.lines import plot_bars
-from minivllm.stages import STAGES
+from minivllm.stages import ENGINES, STAGES
 from minivllm.stages.common import StageStats
 
 # On a large workload (nano: ~140k output tokens) the stages that serve one request, or one
@@ -33,9 +33,11 @@ from minivllm.stages.common import StageStats
 SAMPLED_STAGES = {"naive": 4, "kv_cache": 8, "static_batch": 32, "ragged_batch": 32, "chunked_prefill": 32}
 LARGE_WORKLOAD_TOKENS = 20_000
 # On a GPU the early stages are launch-bound (tens of ms per token for a 0.6B model: Python
-# launches every kernel of every layer), so their samples are smaller there: the tour must
-# finish in minutes. Their rates are per-request properties and extrapolate as well.
-GPU_SAMPLED_STAGES = {"naive": 2, "kv_cache": 4, "static_batch": 16, "ragged_batch": 16, "chunked_prefill": 16}
+# launches every kernel of every layer) whatever the workload's size, so there they always run
+# a sample, and a smaller one: the tour must finish in minutes. Their rates are per-request
+# properties and extrapolate as well. (Chunked prefill attends segment by segment, one launch per
+# sequence per layer: on an H100 it did not finish 32 nano requests in 250 s; 8 is one batch.)
+GPU_SAMPLED_STAGES = {"naive": 2, "kv_cache": 4, "static_batch": 16, "ragged_batch": 16, "chunked_prefill": 8}
 # What `minivllm tour --device cuda` runs when not told otherwise: a real model shape (random
 # weights) and a workload sized so that every stage's lesson shows and the whole ladder,
 # transformers included, fits in about five minutes on one H100.
@@ -145,22 +147,44 @@ def run_tour(
 
 
 def _run_one(name: str, generate: Any, model: Decoder, work: Workload, reference: dict[int, list[int]]) -> dict[str, Any]:
-    # Warm-up on a scrap of the workload: first calls pay for allocations and kernel compilation.
-    generate(model, [p[:8] for p in work.prompts[:2]], [2, 2], stats=StageStats())
     note = ""
     if name == "triton" and model.device.type == "cpu":
-        result = run_stage(name, generate, model, work.subset(INTERPRETER_SAMPLE))
+        work = work.subset(INTERPRETER_SAMPLE)
         note = f"Triton interpreter on CPU, {INTERPRETER_SAMPLE} requests: checks tokens, not speed"
-    elif name in SAMPLED_STAGES and work.num_output_tokens > LARGE_WORKLOAD_TOKENS:
-        sizes = GPU_SAMPLED_STAGES if model.device.type == "cuda" else SAMPLED_STAGES
-        sampled = work.subset(sizes[name])
-        result = run_stage(name, generate, model, sampled)
-        note = f"ran {len(sampled.prompts)} of {len(work.prompts)} requests, rate extrapolated"
-    else:
-        result = run_stage(name, generate, model, work)
+    elif (sample := sample_size(name, work, model.device.type == "cuda")) is not None:
+        note = f"ran {sample} of {len(work.prompts)} requests, rate extrapolated"
+        work = work.subset(sample)
+    options: dict[str, Any] = {}
+    if name in ENGINES:
+        # Building the engine allocates its KV pool and captures its CUDA graphs: set-up, not
+        # generation, so it happens before the clock starts, and the timed run uses that engine.
+        options["llm"] = ENGINES[name](model, work.prompts, work.output_lens)
+    for warm in _warm_ups(work, model.device.type == "cuda" and name in ENGINES):
+        generate(model, warm.prompts, warm.output_lens, stats=StageStats(), **options)
+    result = run_stage(name, generate, model, work, **options)
     row = result.row() | dict(agrees=agreement(result, reference), note=note)
     row["peak_kv_bytes"] = result.stats.peak_kv_tokens * model.config.kv_bytes_per_token(model.dtype)
     return row
+
+
+def sample_size(name: str, work: Workload, on_gpu: bool) -> int | None:
+    """How many of the workload's requests a stage runs when it runs a sample (None: all of them):
+    the one-group-at-a-time stages on a GPU always, on a CPU on large workloads only."""
+    if name not in SAMPLED_STAGES:
+        return None
+    if on_gpu:
+        return GPU_SAMPLED_STAGES[name] if GPU_SAMPLED_STAGES[name] < len(work.prompts) else None
+    return SAMPLED_STAGES[name] if work.num_output_tokens > LARGE_WORKLOAD_TOKENS else None
+
+
+def _warm_ups(work: Workload, compiles: bool) -> list[Workload]:
+    """What runs before a stage is timed. First calls pay for allocations and, on a GPU, Triton
+    compiles a kernel for every path a step takes: an engine stage there runs warmup_workloads
+    (every path the timed run will take) on the engine it is timed on; elsewhere a scrap of the
+    workload does (two prompts cut to 8 tokens, 2 tokens each)."""
+    if compiles:
+        return warmup_workloads(work)
+    return [Workload("warm-up", [p[:8] for p in work.prompts[:2]], [2] * min(2, len(work.prompts)))]
 
 
 def _print_table(payload: dict[str, Any]) -> None:

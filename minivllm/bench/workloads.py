@@ -34,6 +34,24 @@ class Workload:
         return Workload(f"{self.name}[:{n}]", self.prompts[:n], self.output_lens[:n], arrivals)
 
 
+def warmup_workloads(work: Workload) -> list[Workload]:
+    """What to run on an engine before timing `work` on it, so that nothing is compiled while
+    the clock runs (run them in this order, each to the end).
+
+    Triton compiles a kernel once per variant: once its per-step arguments are left
+    unspecialised (chapter 9), a variant is a path through the step. An engine's steps take
+    three: prefill chunks (every step that holds one), decode steps of a full batch (one pass
+    per sequence: enough of them fill the GPU) and decode steps of a few long contexts (each
+    split into partitions, then merged). So:
+    1. every request's prompt with 2 output tokens: the timed run's prefill steps, then one
+       decode step of the whole batch;
+    2. its longest prompt alone, with 8 output tokens: decode steps of one long context.
+    (CUDA graphs are captured when the engine is built; they need no warm-up.)"""
+    longest = max(range(len(work.prompts)), key=lambda i: len(work.prompts[i]))
+    return [Workload(f"{work.name}: every prompt, 2 tokens", work.prompts, [min(2, n) for n in work.output_lens]),
+            Workload(f"{work.name}: the longest prompt alone", [work.prompts[longest]], [min(8, work.output_lens[longest])])]
+
+
 # name: (requests, prompt range, output distribution). See ../shared/README.md, "Standard workloads".
 WORKLOADS: dict[str, dict[str, Any]] = {
     "tiny": dict(requests=8, prompt=(4, 32), output=("uniform", 1, 16)),

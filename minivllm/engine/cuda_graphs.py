@@ -15,9 +15,11 @@ the same memory addresses. So:
    Padding rows read and write a spare KV block that no request owns.
 3. Whatever the host sizes, it sizes for the worst case: attention's `max_context_len` is the
    longest context the engine allows (max_model_len) and the block tables are that wide. That
-   is thousands of columns for a long-context model, so the tables stay in buffers of their
-   own, a host copy and a device copy, where row i is always at the same place: a step writes
-   only the columns its tables use, never the whole width.
+   is thousands of columns for a long-context model (2,560 for Qwen3-0.6B: 5.2 MB at batch
+   256), so the graphs read the tables from a device buffer of their own, where row i is
+   always at the same place, and a step writes only the columns it uses: its tables, only as
+   wide as its longest, travel in the step's one packed copy and are written into the first
+   columns of their rows on the device.
 4. Nothing inside may ask the GPU a question (no `.item()`, no shape read off a tensor).
 
 Only decode-like steps (one new token per sequence) are captured: they are almost every step
@@ -26,7 +28,9 @@ steps have any number of tokens; they run eagerly, as in chapter 7.
 
 On a CPU there are no CUDA graphs: `EagerGraph` stands in for one, with the same buckets,
 static buffers and padding, but its replay simply calls the forward again. Tests use it to
-prove that bucketing and padding leave transformers' tokens exactly as they were.
+prove that bucketing and padding leave transformers' tokens exactly as they were. Which one
+runs follows the device of the KV pool (`graph_class_for`): a CUDA graph of CPU tensors would
+record no work at all, and its replays would leave the outputs of the capture in place.
 """
 from __future__ import annotations
 
@@ -103,16 +107,27 @@ class CudaGraph:
         self.graph.replay()
 
 
+def graph_class_for(device: torch.device) -> type:
+    """CudaGraph for a pool on a CUDA device, EagerGraph (the stand-in) anywhere else."""
+    return CudaGraph if torch.device(device).type == "cuda" else EagerGraph
+
+
 class GraphRunner:
     """Runs decode steps by replaying the graph of their batch-size bucket.
 
     forward(input_ids, positions, attention) -> hidden [T, hidden] is the model's forward (plain
-    or fused); the pool's last block is the spare that padding rows use."""
+    or fused); the pool's last block is the spare that padding rows use. graph_class: None for
+    the one the pool's device runs (graph_class_for); CudaGraph refuses a pool off CUDA."""
 
     def __init__(
         self, forward: Callable[..., torch.Tensor], pool: KVPool, attention_class: type, max_num_seqs: int,
-        max_model_len: int, graph_class: type = CudaGraph,
+        max_model_len: int, graph_class: type | None = None,
     ):
+        graph_class = graph_class or graph_class_for(pool.k.device)
+        if graph_class is CudaGraph and pool.k.device.type != "cuda":
+            raise ValueError(f"CudaGraph captures CUDA work, and this KV pool is on {pool.k.device}: a capture would "
+                             f"record nothing and every replay would return the capture's output. Use EagerGraph there "
+                             f"(graph_class=None chooses by device).")
         self.pool, self.block_size = pool, pool.block_size
         self.pad_block = pool.num_blocks - 1
         self.sizes = graph_batch_sizes(max_num_seqs)
@@ -120,14 +135,16 @@ class GraphRunner:
         self.max_context_len = self.width * self.block_size
         device, rows = pool.k.device, self.sizes[-1]
         largest = build_step_arrays([], [], self.block_size, rows, pad_block=self.pad_block)
-        # Room for the largest step's fields but the tables, plus its sampling rows (one per sequence at most).
-        self.static = torch.zeros(len(largest.pack(tables=False)) + rows, dtype=torch.int64, device=device)
-        # The block tables, [rows, width]: column 0 holds the spare block until a step writes a row,
-        # so a padding row reads only the spare. Columns past a row's context may hold block ids of
-        # an earlier step: attention never reads them (PagedBatch's contract).
+        # Room for the largest step's packed copy: its fields, tables as wide as they can be, and
+        # its sampling rows (one per sequence at most). The graphs read the fields before the
+        # tables, which sit at the same offsets in every step of a bucket.
+        self.static = torch.zeros(len(largest.pack(tables=False)) + rows * self.width + rows, dtype=torch.int64,
+                                  device=device)
+        # The block tables the graphs read, [rows, width]: column 0 holds the spare block until a
+        # step writes a row, so a padding row reads only the spare. Columns past a row's context may
+        # hold block ids of an earlier step: attention never reads them (PagedBatch's contract).
         self.tables = torch.full((rows, self.width), -1, dtype=torch.int64, device=device)
         self.tables[:, 0] = self.pad_block
-        self.host_tables = self.tables.cpu().pin_memory() if device.type == "cuda" else self.tables.clone()
         memory_pool = torch.cuda.graph_pool_handle() if graph_class is CudaGraph else None
         self.graphs: dict[int, Any] = {}
         with Progress(transient=True) as progress:
@@ -152,24 +169,27 @@ class GraphRunner:
 
     def prepare(self, seqs: Seq[Sequence]) -> tuple[int, StepArrays, torch.Tensor]:
         """Put a decode step of `seqs` (one new token each) into the static buffers, padded to
-        its batch-size bucket, ready for that bucket's graph to replay.
+        its batch-size bucket, ready for that bucket's graph to replay. Runs under
+        torch.inference_mode, like every step (the buffers were made under it).
 
         Returns (the bucket's batch size, the step's host arrays, the part of self.static that
         now holds them). Row i of the padded step is seqs[i]'s token; rows len(seqs).. are
-        padding that only touches self.pad_block. Everything a captured graph reads must be
-        rewritten in place: the graph knows the buffers' addresses, not their contents. So:
-        the step's fields but the tables (arrays.pack(tables=False)) go into the front of
-        self.static; its tables, only as wide as the step's longest, into the first columns of
-        rows 0..size-1 of self.host_tables; and those rows of self.host_tables into self.tables.
-        (Rewriting self.host_tables is safe: every step ends by reading its sampled tokens,
-        which waits until the GPU, and the last copy from it, are done.)"""
+        padding that only touches self.pad_block: build_step_arrays(seqs, [1] * len(seqs),
+        self.block_size, num_rows=size, pad_block=self.pad_block). Everything a captured graph
+        reads must be rewritten in place: the graph knows the buffers' addresses, not their
+        contents. So the whole step, its tables only as wide as the step's longest
+        (arrays.pack()), goes in one copy into the front of self.static (to_device(packed,
+        device, out=...)), where the fields the graph reads sit at the offsets it captured;
+        then, on the device, the tables of that copy (arrays.unpack(...)["block_tables"]) go
+        into the first columns of rows 0..size-1 of self.tables. The columns after them keep
+        what earlier steps wrote: a step never copies the whole width."""
         # BEGIN SOLUTION
         size = bucket_for(len(seqs), self.sizes)
-        arrays = build_step_arrays(seqs, [1] * len(seqs), self.block_size, size, pad_block=self.pad_block)
-        packed = arrays.pack(tables=False)
+        arrays = build_step_arrays(seqs, [1] * len(seqs), self.block_size, num_rows=size, pad_block=self.pad_block)
+        packed = arrays.pack()
         flat = to_device(packed, self.static.device, out=self.static[:len(packed)])
-        self.host_tables[:size, :arrays.block_tables.shape[1]] = torch.from_numpy(arrays.block_tables)
-        self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+        tables = arrays.unpack(flat)["block_tables"]  # [size, W]: W columns, not self.width
+        self.tables[:size, :tables.shape[1]].copy_(tables)
         return size, arrays, flat
         # END SOLUTION
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import random
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -71,14 +70,13 @@ class LLMEngine:
         self.block_manager = manager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, config)
-        self.speculator = (Speculator(config.speculative_config, self.model, config)
+        self.sampler = Sampler()  # chooses the tokens; keeps penalised requests' token counts between steps
+        self.speculator = (Speculator(config.speculative_config, self.model, config, self.sampler)
                            if config.speculative_config is not None else None)  # chapter 12
         self.eos_token_ids = set(self.model.config.eos_token_ids)
-        self.sampler = Sampler()  # chooses the tokens; keeps penalised requests' token counts between steps
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id (n completions each)
         self.trace: Trace | None = None  # set to Trace() to record every step
         self._ids = itertools.count()
-        self._seeds = random.Random()  # seeds for sampled requests that bring none
 
     @property
     def max_model_len(self) -> int:
@@ -115,9 +113,10 @@ class LLMEngine:
             seq = Sequence(name, token_ids, params, self.max_model_len, prompt=text, index=i, group=group)
             if arrival_time is not None:
                 seq.arrival_time = arrival_time
-            if not params.greedy:  # completion i of a seeded request uses seed + i
-                seed = self._seeds.getrandbits(63) if params.seed is None else (params.seed + i) % 2**64
-                seq.generator = torch.Generator(self.model.device).manual_seed(seed)
+            if not params.greedy and params.seed is not None:  # completion i of a seeded request uses seed + i
+                # A generator of its own: its tokens do not depend on the batch. Unseeded requests share
+                # the sampler's generator, one draw for all of their rows (engine/sampler.py).
+                seq.generator = torch.Generator(self.model.device).manual_seed((params.seed + i) % 2**64)
             if self.tokenizer is not None:
                 seq.text = StopChecker(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
             group.seqs.append(seq)
@@ -223,18 +222,24 @@ class LLMEngine:
                                if seq.request_id in record.drafts}
         now = time.perf_counter()
         with record_function("finish"):
-            touched: dict[str, SequenceGroup] = {}
+            # The requests that answer this step: every one that streams, and those that finished.
+            # (A FINAL_ONLY request that goes on costs nothing more here: the common case of LLM.generate.)
+            answering: dict[str, SequenceGroup] = {}
             for seq, (tokens, tops) in zip(sampled, chosen):
                 self._append(seq, tokens, tops, now)
+                params = seq.params
                 if seq.finish_reason is not None:
                     seq.finish_time = now
                     self.scheduler.finish(seq)
-                touched[seq.group.request_id] = seq.group
+                    answering[seq.group.request_id] = seq.group
+                elif params.output_kind is RequestOutputKind.CUMULATIVE:
+                    answering[seq.group.request_id] = seq.group
             outputs = []
-            for group in touched.values():
-                if group.is_finished:
+            for group in answering.values():
+                finished = group.is_finished
+                if finished:
                     del self.requests[group.request_id]
-                if group.is_finished or group.params.output_kind is RequestOutputKind.CUMULATIVE:
+                if finished or group.params.output_kind is RequestOutputKind.CUMULATIVE:
                     outputs.append(self._output(group))
         if record is not None:
             record.seconds = time.perf_counter() - start

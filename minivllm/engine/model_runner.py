@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from minivllm.attention import paged_attention_class
 from minivllm.attention.paged import KVPool
 from minivllm.engine.config import EngineConfig
-from minivllm.engine.cuda_graphs import CudaGraph, GraphRunner
+from minivllm.engine.cuda_graphs import GraphRunner
 from minivllm.engine.prepare import build_step_arrays, device_step, to_device
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.model import Decoder
@@ -29,10 +29,11 @@ from minivllm.model import Decoder
 
 class ModelRunner:
     """Runs the model the way `config` (resolved: no None left) says: its attention backend,
-    fused ops or not, CUDA graphs or not (graph_class=EagerGraph stands in for them on a CPU,
-    for tests), on a KV pool of config.num_kv_blocks blocks."""
+    fused ops or not, CUDA graphs or not, on a KV pool of config.num_kv_blocks blocks. The graphs
+    follow the model's device: CudaGraph on CUDA; on a CPU, where tests force cuda_graphs=True,
+    EagerGraph stands in (graph_class overrides that choice)."""
 
-    def __init__(self, model: Decoder, config: EngineConfig, graph_class: type = CudaGraph):
+    def __init__(self, model: Decoder, config: EngineConfig, graph_class: type | None = None):
         self.model = model
         # Checked before the pool is allocated: an attention backend that cannot run here fails at once.
         self.attention_class = paged_attention_class(config.attention, model.device, model.dtype)
@@ -64,7 +65,7 @@ class ModelRunner:
         with record_function("prepare"):
             if replay:  # padded to a captured batch size, in the graphs' static buffers
                 size, arrays, flat = self.graphs.prepare(seqs)
-                sample_rows = arrays.unpack(flat, tables=False)["sample_rows"]
+                sample_rows = arrays.unpack(flat)["sample_rows"]
             else:
                 arrays = build_step_arrays(seqs, num_new, self.pool.block_size)
                 flat = to_device(arrays.pack(), self.model.device)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+from minivllm.engine.prepare import to_device
 
 if TYPE_CHECKING:  # only for type hints: sequence.py imports the sampling params, not this module
     from minivllm.engine.sequence import Sequence
@@ -58,7 +61,8 @@ class PenaltyCounts:
                 prompt_ids += seq.prompt_token_ids
                 output_rows += [row] * seq.num_output_tokens
                 output_ids += seq.output_token_ids
-        flat = torch.tensor(old + prompt_rows + prompt_ids + output_rows + output_ids, device=device)
+        # One pinned, non-blocking copy of every index (the host does not wait for the GPU).
+        flat = to_device(np.array(old + prompt_rows + prompt_ids + output_rows + output_ids, dtype=np.int64), device)
         old_rows, p_rows, p_ids, o_rows, o_ids = flat.split(
             [len(old), len(prompt_rows), len(prompt_ids), len(output_rows), len(output_ids)])
         if self.counts is None:

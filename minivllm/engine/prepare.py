@@ -17,9 +17,11 @@ The packed layout, for T tokens from S sequences and block tables W wide:
     [ input_ids T | positions T | slot_mapping T | query_start S+1 | context_lens S | block_tables S*W | sample_rows R ]
 
 `StepArrays.unpack` cuts a device tensor in that layout into the same fields. The CUDA-graph
-runner (cuda_graphs.py) copies the packed buffer of a decode step into a fixed device buffer
-whose slices its captured graphs read; it keeps the block tables apart (pack(tables=False)), in a
-buffer as wide as the longest context the engine allows, where row i is always at the same place.
+runner (cuda_graphs.py) copies the packed buffer of a decode step into a fixed device buffer.
+Its captured graphs read the fields before the tables there, at offsets that are the same for
+every decode step of a batch-size bucket (T = S = the bucket), and read the block tables from a
+buffer of their own, as wide as the longest context the engine allows: the runner writes the
+step's tables into its first columns, on the device.
 """
 from __future__ import annotations
 

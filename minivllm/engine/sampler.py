@@ -17,20 +17,29 @@ in vLLM's order:
 The common case skips all of it: when every row is greedy, with no penalty and no logprobs,
 a step is one argmax and one copy of the token ids to the host.
 
-Sampled rows draw their randomness from the request's own `torch.Generator`, seeded from
-`SamplingParams.seed`, so a request's tokens do not depend on which other requests share the
-step. To sample from probabilities p with a private generator we use the "exponential race":
-draw E_i ~ Exp(1) for every token and pick argmax p_i / E_i, which picks token i with
-probability exactly p_i (the same trick vLLM and nano-vllm use; it needs no cumulative sums).
+To sample from probabilities p we use the "exponential race": draw E_i ~ Exp(1) for every
+token and pick argmax p_i / E_i, which picks token i with probability exactly p_i (the same
+trick vLLM and nano-vllm use; it needs no cumulative sums). The noise for every sampled row of
+the step comes from one draw of the sampler's own generator, one launch however many rows.
+A request with a `SamplingParams.seed` draws its row from a `torch.Generator` of its own
+instead (seeded from it, one row per step), so its tokens do not depend on which other
+requests share the step; the rows without a seed are free to share one draw.
+
+What reaches the device (the rows' settings, which rows to pick) goes from pinned host memory
+in non-blocking copies (engine/prepare.py's to_device), so sampling never makes the host wait
+for the GPU; only reading the chosen tokens back does.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minivllm.engine.logprobs import TopLogprobs, top_logprobs, unpack_logprobs
 from minivllm.engine.penalties import PenaltyCounts, apply_penalties
+from minivllm.engine.prepare import to_device
 from minivllm.engine.sequence import Sequence
 
 
@@ -66,17 +75,38 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """A list of ints as an int64 tensor on `device`, copied without making the host wait."""
+    return to_device(np.array(values, dtype=np.int64), device)
+
+
 def forbid_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch.Tensor:
     """Set logits[rows[j], token_ids[j]] to -inf (min_tokens: EOS and stop tokens, too early)."""
-    index = torch.tensor([rows, token_ids], device=logits.device)
-    return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+    index = indices(rows + token_ids, logits.device).view(2, -1)
+    out = logits.clone()
+    out[index[0], index[1]] = float("-inf")
+    return out
 
 
-def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs [S, V], row s drawn with generators[s] (see the module doc)."""
-    noise = torch.empty_like(probs)
-    for row, generator in zip(noise, generators):  # one Exp(1) row per request, from its own generator
-        row.exponential_(generator=generator)
+def draw_rows(out: torch.Tensor, fill: str, generators: list[torch.Generator | None],
+              shared: torch.Generator | None = None) -> torch.Tensor:
+    """Fill `out` [S, ...] in place with random draws, `fill` a tensor method such as
+    "exponential_" or "uniform_": row s from generators[s] when it has one (a seeded request),
+    every other row from one draw of `shared` (None: PyTorch's default generator). Returns out."""
+    seeded = [(row, generator) for row, generator in enumerate(generators) if generator is not None]
+    if len(seeded) < len(generators):
+        getattr(out, fill)(generator=shared)  # every row at once; seeded rows are redrawn below
+    for row, generator in seeded:
+        getattr(out[row], fill)(generator=generator)
+    return out
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
+                     shared: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probs [S, V] (see the module doc). Row s's noise comes from
+    generators[s] when it has one (a seeded request), else from one draw of `shared` for all
+    such rows (None: PyTorch's default generator)."""
+    noise = draw_rows(torch.empty_like(probs), "exponential_", generators, shared)
     return (probs / noise).argmax(dim=-1)
 
 
@@ -87,11 +117,18 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Chooses every row's next token (see the module doc). Its one piece of state is the
-    penalised sequences' token counts, kept from step to step (PenaltyCounts)."""
+    """Chooses every row's next token (see the module doc). Its state: the penalised sequences'
+    token counts, kept from step to step (PenaltyCounts), and the generator of the rows without
+    a seed (made on the logits' device at the first sampled step, from a random seed)."""
 
     def __init__(self) -> None:
         self.penalty_counts = PenaltyCounts()
+        self.generator: torch.Generator | None = None
+
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device).manual_seed(random.SystemRandom().getrandbits(63))
+        return self.generator
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> SamplerOutput:
         """logits [S, V]: row s is seqs[s]'s prediction of its next token."""
@@ -108,7 +145,7 @@ class Sampler:
             if len(rows) == len(seqs):
                 tokens = chosen
             else:
-                tokens[rows] = chosen
+                tokens[indices(rows, tokens.device)] = chosen
             for s, top in zip(rows, picked_logprobs):
                 logprobs[s] = top
         return SamplerOutput(tokens.tolist(), logprobs)
@@ -122,10 +159,12 @@ class Sampler:
         device = logits.device
         x = logits.float()  # in fp32 even for bf16 models (a copy only if the model is not fp32)
         asking = [s for s, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = x[asking].log_softmax(dim=-1) if asking else None
+        asking_rows = indices(asking, device) if asking else None
+        raw_logprobs = x[asking_rows].log_softmax(dim=-1) if asking else None
         # Every row's settings in one host buffer and one copy to the device.
-        settings = torch.tensor([[p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
-                                  p.repetition_penalty] for p in params]).to(device)
+        settings = to_device(np.array([[p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty,
+                                        p.frequency_penalty, p.repetition_penalty] for p in params], dtype=np.float32),
+                             device)
         temperature, top_p, top_k, min_p, presence, frequency, repetition = settings.unbind(1)
 
         rows, token_ids = stop_tokens_too_early(seqs, eos_token_ids)
@@ -134,28 +173,32 @@ class Sampler:
         penalised = [s for s, p in enumerate(params) if p.penalised]
         if penalised:
             in_prompt, counts = self.penalty_counts.gather([seqs[s] for s in penalised], x.shape[-1], device)
-            pick = torch.tensor(penalised, device=device)
-            x = x.index_put((pick,), apply_penalties(x[pick], in_prompt, counts, presence[pick], frequency[pick],
-                                                     repetition[pick]))
+            penalised_rows = indices(penalised, device)
+            x = x.index_put((penalised_rows,), apply_penalties(x[penalised_rows], in_prompt, counts,
+                                                               presence[penalised_rows], frequency[penalised_rows],
+                                                               repetition[penalised_rows]))
 
         chosen = x.argmax(dim=-1)  # the greedy rows' answer
         drawn = [s for s, p in enumerate(params) if not p.greedy]
         if drawn:
-            pick = torch.tensor(drawn, device=device)
-            scaled = x[pick] / temperature[pick, None]
+            every_row = len(drawn) == len(params)  # the common case: no row to pick out
+            pick = None if every_row else indices(drawn, device)
+            scaled = (x / temperature[:, None]) if every_row else x[pick] / temperature[pick, None]
             if any(params[s].min_p > 0 for s in drawn):
-                scaled = apply_min_p(scaled, min_p[pick])
+                scaled = apply_min_p(scaled, min_p if every_row else min_p[pick])
             if any(params[s].top_k > 0 or params[s].top_p < 1 for s in drawn):
-                scaled = filter_logits(scaled, top_k[pick].long(), top_p[pick])
-            tokens = exponential_race(scaled.softmax(dim=-1), [seqs[s].generator for s in drawn])
-            chosen = chosen.index_put((pick,), tokens)
+                scaled = filter_logits(scaled, (top_k if every_row else top_k[pick]).long(),
+                                       top_p if every_row else top_p[pick])
+            tokens = exponential_race(scaled.softmax(dim=-1), [seqs[s].generator for s in drawn],
+                                      self.shared_generator(device))
+            chosen = tokens if every_row else chosen.index_put((pick,), tokens)
         if penalised:
-            self.penalty_counts.add(chosen[penalised])
+            self.penalty_counts.add(chosen[penalised_rows])
 
         logprobs: list[TopLogprobs | None] = [None] * len(seqs)
         if asking:
             ks = [params[s].logprobs for s in asking]
-            packed = top_logprobs(raw_logprobs, chosen[asking], max(ks)).tolist()  # the one extra copy to the host
+            packed = top_logprobs(raw_logprobs, chosen[asking_rows], max(ks)).tolist()  # the one extra copy to the host
             for s, top in zip(asking, unpack_logprobs(packed, ks)):
                 logprobs[s] = top
         return chosen, logprobs

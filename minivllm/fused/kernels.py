@@ -156,7 +156,9 @@ def _norm_rope_heads(
     tl.store(first_out + HALF, out2.to(dtype), mask=mask)
 
 
-@triton.jit
+# positions_ptr is a view into the step's packed inputs (engine/prepare.py), at an offset that moves
+# with the step's number of tokens: not specialised on its alignment, so a step compiles nothing new.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr, eps,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head,

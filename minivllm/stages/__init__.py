@@ -4,6 +4,7 @@ prompt's new token ids in input order; they differ only in how attention sees th
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from minivllm.stages import (chunked_prefill, continuous, cuda_graphs, kv_cache, naive, paged, ragged_batch,
                              static_batch, triton)
@@ -20,4 +21,13 @@ STAGES: dict[str, Generate] = {
     "continuous": continuous.generate,
     "triton": triton.generate,
     "cuda_graphs": cuda_graphs.generate,
+}
+
+# The stages that run on the engine, and how each builds it: engine_for(model, prompts,
+# max_new_tokens, **options) -> LLM, for generate(..., llm=...). Building an engine (its KV pool,
+# its CUDA graphs) is set-up, not generation: benchmarks build it before their timer starts.
+ENGINES: dict[str, Callable[..., Any]] = {
+    "continuous": continuous.engine_for,
+    "triton": triton.engine_for,
+    "cuda_graphs": cuda_graphs.engine_for,
 }

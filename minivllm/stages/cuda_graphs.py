@@ -13,17 +13,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from minivllm.engine.llm import LLM
 from minivllm.model import Decoder
 from minivllm.stages import continuous
 from minivllm.stages.common import StageStats
 
 
-def generate(
-    model: Decoder, prompts: list[list[int]], max_new_tokens: int | list[int], stats: StageStats | None = None,
-    **engine_options: Any,
-) -> list[list[int]]:
-    """Greedy continuations through the engine with its automatic settings (graphs, fused ops
-    and Triton attention on a GPU); engine_options as in continuous.generate."""
+def engine_for(model: Decoder, prompts: list[list[int]], max_new_tokens: int | list[int], **engine_options: Any) -> LLM:
+    """continuous.engine_for with the engine's automatic settings (graphs, fused ops and Triton
+    attention on a GPU). On a GPU, building it captures the graphs: build it outside a timer."""
     on_gpu = model.device.type == "cuda"
     engine_options = dict(attention="triton" if on_gpu else "torch", cuda_graphs=None, fused_ops=None) | engine_options
-    return continuous.generate(model, prompts, max_new_tokens, stats=stats, **engine_options)
+    return continuous.engine_for(model, prompts, max_new_tokens, **engine_options)
+
+
+def generate(
+    model: Decoder, prompts: list[list[int]], max_new_tokens: int | list[int], stats: StageStats | None = None,
+    llm: LLM | None = None, **engine_options: Any,
+) -> list[list[int]]:
+    """Greedy continuations through `llm` (from engine_for) or one built from engine_options."""
+    llm = llm or engine_for(model, prompts, max_new_tokens, **engine_options)
+    return continuous.generate(model, prompts, max_new_tokens, stats=stats, llm=llm)

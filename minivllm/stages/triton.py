@@ -10,15 +10,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from minivllm.engine.llm import LLM
 from minivllm.model import Decoder
 from minivllm.stages import continuous
 from minivllm.stages.common import StageStats
 
 
+def engine_for(model: Decoder, prompts: list[list[int]], max_new_tokens: int | list[int], **engine_options: Any) -> LLM:
+    """continuous.engine_for with attention="triton"."""
+    return continuous.engine_for(model, prompts, max_new_tokens, attention="triton", **engine_options)
+
+
 def generate(
     model: Decoder, prompts: list[list[int]], max_new_tokens: int | list[int], stats: StageStats | None = None,
-    **engine_options: Any,
+    llm: LLM | None = None, **engine_options: Any,
 ) -> list[list[int]]:
-    """Greedy continuations through the engine with Triton attention; engine_options as in
-    continuous.generate (block_size, num_kv_blocks, max_num_batched_tokens, ...)."""
-    return continuous.generate(model, prompts, max_new_tokens, stats=stats, attention="triton", **engine_options)
+    """Greedy continuations through the engine with Triton attention: `llm` (from engine_for),
+    or one built from engine_options as continuous.generate does (block_size, num_kv_blocks, ...)."""
+    llm = llm or engine_for(model, prompts, max_new_tokens, **engine_options)
+    return continuous.generate(model, prompts, max_new_tokens, stats=stats, llm=llm)

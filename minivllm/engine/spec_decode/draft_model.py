@@ -24,6 +24,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.prefix_cache import PrefixCachingBlockManager
+from minivllm.engine.sampler import Sampler
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence, Status
@@ -46,11 +47,12 @@ def load_draft(source: Any, target: Decoder) -> Decoder:
 
 
 class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, target: Decoder, engine: EngineConfig):
+    def __init__(self, config: SpeculativeConfig, target: Decoder, engine: EngineConfig, sampler: Sampler):
         """engine: the target engine's resolved config, which the draft follows (block size,
         attention, graphs, fused ops, batch size). Its pool holds what the target's can, plus
-        room for k more tokens per running sequence (the guesses' K/V)."""
-        self.k = config.num_speculative_tokens
+        room for k more tokens per running sequence (the guesses' K/V). sampler: the engine's,
+        whose generator draws the guesses of requests without a seed of their own."""
+        self.k, self.sampler = config.num_speculative_tokens, sampler
         self.model = load_draft(config.model, target)
         if self.model.config.max_position_embeddings < engine.max_model_len:
             raise ValueError(f"the draft model's context ({self.model.config.max_position_embeddings} tokens) is "
@@ -85,7 +87,7 @@ class DraftModelProposer:
             _, logits, _ = self.runner.run(schedule)  # every shadow ends its chunk: one row each
             for (target, shadow), n, row in zip(step, schedule.num_new_tokens, logits):
                 shadow.num_computed_tokens += n
-                token, q = self._guess(row, target.params, target.generator)
+                token, q = self._guess(row, target.params, target.generator or self.sampler.shared_generator(row.device))
                 shadow.token_ids.append(token)
                 guesses[target].append(token)
                 if q is not None:

@@ -25,6 +25,7 @@ import torch
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.logprobs import TopLogprobs, top_logprobs, unpack_logprobs
+from minivllm.engine.sampler import Sampler, draw_rows
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.spec_decode.config import SpeculativeConfig
@@ -87,10 +88,11 @@ def may_speculate(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, target: Decoder, engine: EngineConfig):
-        self.config = config
+    def __init__(self, config: SpeculativeConfig, target: Decoder, engine: EngineConfig, sampler: Sampler):
+        """sampler: the engine's, whose generator draws for the requests without a seed of their own."""
+        self.config, self.sampler = config, sampler
         self.proposer = (NgramProposer(config) if config.method == "ngram"
-                         else DraftModelProposer(config, target, engine))
+                         else DraftModelProposer(config, target, engine, sampler))
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self.draft_probs: dict[Sequence, torch.Tensor] = {}  # q of each sequence's guesses, this step
 
@@ -127,7 +129,6 @@ class Speculator:
         probs = torch.zeros(S, K + 1, V, device=device)
         drafts = torch.full((S, K), -1, dtype=torch.long, device=device)
         q = None if not any(seq in self.draft_probs for seq in seqs) else torch.zeros(S, K, V, device=device)
-        uniforms, noise = torch.empty(S, K, device=device), torch.empty(S, V, device=device)
         starts, start = [], 0
         for s, seq in enumerate(seqs):
             D = seq.num_spec_tokens
@@ -136,9 +137,10 @@ class Speculator:
             drafts[s, :D] = torch.tensor(seq.token_ids[-D:], device=device)
             if q is not None:  # a certain guess (greedy, or a lookup) is a one-hot q
                 q[s, :D] = self.draft_probs.get(seq, probs.new_zeros(D, V).scatter_(1, drafts[s, :D, None], 1.0))
-            uniforms[s].uniform_(generator=seq.generator)
-            noise[s].exponential_(generator=seq.generator)
             start += D + 1
+        generators, shared = [seq.generator for seq in seqs], self.sampler.shared_generator(device)
+        uniforms = draw_rows(torch.empty(S, K, device=device), "uniform_", generators, shared)
+        noise = draw_rows(torch.empty(S, V, device=device), "exponential_", generators, shared)
         num_drafts = torch.tensor([seq.num_spec_tokens for seq in seqs], device=device)
         tokens, accepted = rejection_sample(probs, drafts, num_drafts, q, uniforms, noise)
         tokens, accepted = tokens.tolist(), accepted.tolist()
