@@ -1,4 +1,4 @@
-"""Every GPU number of chapters 9-11 in one command (README, "On a GPU").
+"""Every GPU number of chapters 9-12 in one command (README, "On a GPU").
 
     python benchmarks/gpu_runbook.py --out DIR [--parts 1,2,...] [--device cuda|cpu] [--archive FILE.tar.gz]
                                      [--wheels .whl] [--limit-scale 1.0]
@@ -30,6 +30,9 @@ FastAPI, uvicorn, httpx and openai, which the server, its client and chapter 10'
 import, are installed from --wheels (tools/fetch_wheels.py) before the first part that needs them
 (2 or 7), into a folder only those parts' processes see.
  8 tour             minivllm tour --device cuda, 64 ladder_gpu requests               ~150 s    170 s
+ 9 speculation      chapter 12: a verify step of 5 tokens per sequence against a       ~40 s     90 s
+                    decode step, batch 1-256, contexts ~600 (random weights: the
+                    acceptance numbers need the embedded model, on the CPU)
 
 How the estimates were made, from the shared notes' H100 measurements of chapters 1-8 (bf16,
 Qwen3-0.6B shape): an eager decode step at batch 256 took 33 ms and the engine ran the nano
@@ -43,6 +46,7 @@ requests. Each limit is 1.2-1.7x its estimate. The two calls keep the sum of the
 
     python3 benchmarks/gpu_runbook.py --out /tmp/gpu-a --parts 1,2,3,4,6 --archive $OUT/gpu-a.tar.gz
     python3 benchmarks/gpu_runbook.py --out /tmp/gpu-b --parts 5,7,8 --archive $OUT/gpu-b.tar.gz
+    python3 benchmarks/gpu_runbook.py --out /tmp/gpu-c --parts 9 --archive $OUT/gpu-c.tar.gz    # chapters 12-14
 
 `--device cpu` is a dry run of the same code with the embedded model and tiny workloads (the
 test suite runs it: tests/test_gpu_runbook.py).
@@ -157,6 +161,12 @@ def tour_summary(out: Path, device: str) -> dict[str, Any]:
             for row in payload["rows"]} | {"seconds": round(payload["tour_seconds"])}
 
 
+def speculation_summary(out: Path, device: str) -> dict[str, Any]:
+    payload = results(out, f"12_speculative_decoding_{device}")
+    return {"verify (k + 1 tokens) / decode by batch": {r["batch_size"]: round(r["ratio"], 2)
+                                                        for r in payload["verify_cost"]}}
+
+
 PARTS = [
     Part(1, "smoke", 80, lambda m: [script("benchmarks", "gpu_smoke.py"), "--device", "cuda", *m],
          lambda m: [script("benchmarks", "gpu_smoke.py"), "--device", "cpu", *m, "--requests", "2", "--max-tokens", "4"],
@@ -201,6 +211,11 @@ PARTS = [
          lambda m: ["-m", "minivllm.cli", "tour", "--device", "cpu", *m, "--workload", "tiny", "--requests", "3",
                     "--check", "1", "--stages", "naive,paged,continuous,cuda_graphs", "--no-peers"],
          tour_summary),
+    Part(9, "speculation", 90, lambda m: [script("chapters", "12_speculative_decoding.py"), "--device", "cuda", *m,
+                                          "--k", "4"],
+         lambda m: [script("chapters", "12_speculative_decoding.py"), "--device", "cpu", *m, "--batches", "1", "2",
+                    "--k", "2"],
+         speculation_summary),
 ]
 
 

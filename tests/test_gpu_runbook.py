@@ -40,7 +40,7 @@ def test_the_dry_run_goes_through_every_part(tiny_checkpoint, tmp_path):
                    timeout=280)
     summary = json.loads((out / "runbook.json").read_text())
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert [p["part"] for p in summary["parts"]] == list(range(1, 9))
+    assert [p["part"] for p in summary["parts"]] == list(range(1, 10))
     for part in summary["parts"]:
         assert part["status"] == "ok", part
         assert "results" not in part["summary"], part  # its headline numbers were read back
@@ -48,10 +48,10 @@ def test_the_dry_run_goes_through_every_part(tiny_checkpoint, tmp_path):
     assert {"python", "torch", "triton", "transformers", "device", "tree"} <= summary["machine"].keys()
     figures = {p.stem for p in (out / "figures").glob("*.png")}
     assert {"09_step_timeline", "09_roofline", "11_shared_prefix", "10_chapter_latency_vs_concurrency",
-            "ladder"} <= figures
+            "ladder", "12_verify_cost"} <= figures
     results = {p.stem for p in (out / "benchmarks" / "results").glob("*.json")}
     assert {"gpu_smoke_cpu", "08_triton_kernel_cpu_check", "09_cuda_graphs_cpu", "09_roofline_cpu",
-            "11_prefix_caching_cpu", "10_serving_chapter_cpu", "tour_cpu_tiny"} <= results
+            "11_prefix_caching_cpu", "10_serving_chapter_cpu", "tour_cpu_tiny", "12_speculative_decoding_cpu"} <= results
     with tarfile.open(archive) as packed:
         names = packed.getnames()
     assert "run/runbook.json" in names and "run/figures/09_roofline.png" in names
