@@ -1,16 +1,19 @@
 """Chapter 11: prefix caching. The hash chain, the longest-prefix lookup and reference-counted
 release against hand-built expectations; greedy tokens equal transformers' with caching on and
 off under starvation (tiny blocks, a pool that forces eviction and preemption, small budgets)
-for prompts that share none, one, many and all of their full blocks; and the block
-invariants after random sequences of add / step / abort."""
+for prompts that share none, one, many and all of their full blocks; the block invariants
+after random sequences of add / step / abort; and the hits as the server's /metrics counts them."""
 from __future__ import annotations
 
 import random
 from collections import Counter
 
+import httpx
 import pytest
+import torch
+from server_checks import ENGINE, MODEL, TIMEOUT, expect_status, running_server, wait_until_idle
 
-from minivllm import LLM, LLMEngine, SamplingParams
+from minivllm import LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.prefix_cache import PrefixCachingBlockManager, block_hashes, hash_block
 from minivllm.engine.sequence import Sequence
@@ -205,19 +208,24 @@ def test_invariants_under_random_add_step_abort(qwen3_model, hf_models, referenc
     assert engine.block_manager.hit_tokens > 0 and engine.trace.num_preemptions > 0
 
 
-def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(qwen3_model):
+def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(qwen3_model, hf_models):
     """A request that asks for prompt logprobs needs every prompt token's logits, so it reuses
-    no cached block; its logprobs equal those of an engine without a cache."""
+    no cached block (as in vLLM); its logprobs equal those of an engine without a cache, and
+    transformers' log_softmax."""
     prompt = PROMPTS[2]
     params = SamplingParams(max_tokens=3, prompt_logprobs=1, **GREEDY)
     cached = LLM(qwen3_model, block_size=4)
     cached.generate(prompt, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)  # fills the cache
     with_cache = cached.generate(prompt, params, use_tqdm=False)[0]
+    assert with_cache.num_cached_tokens == 0
     plain = LLM(qwen3_model, block_size=4, enable_prefix_caching=False).generate(prompt, params, use_tqdm=False)[0]
     assert with_cache.prompt_logprobs[0] is None and len(with_cache.prompt_logprobs) == len(prompt)
-    for got, want in zip(with_cache.prompt_logprobs[1:], plain.prompt_logprobs[1:]):
+    with torch.no_grad():  # row j of transformers' log_softmax predicts prompt token j + 1
+        reference = hf_models["qwen3"](torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    for j, (got, want) in enumerate(zip(with_cache.prompt_logprobs[1:], plain.prompt_logprobs[1:])):
         assert got.keys() == want.keys()
         assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
+        assert got[prompt[j + 1]].logprob == pytest.approx(float(reference[j, prompt[j + 1]]), abs=1e-4)
 
 
 def test_n_completions_share_their_prompt_blocks(qwen3_model):
@@ -258,3 +266,18 @@ def test_hits_are_counted_once_per_admission_not_per_lookup(qwen3_model):
     assert outputs["late"].num_cached_tokens == 16
     assert manager.hit_tokens == engine.trace.num_cached_tokens == 16
     assert manager.queried_tokens == sum(map(len, prompts.values()))
+
+
+def test_the_server_metrics_count_prefix_cache_queries_and_hits():
+    """Over HTTP (chapter 10's server): the second request with the same 40-token prompt finds its
+    two full 16-token blocks (32 tokens; the last block is partial, and the last prompt token is
+    always computed)."""
+    engine = LLMEngine(load_model(device="cpu"), tokenizer=load_tokenizer(), enable_prefix_caching=True, **ENGINE)
+    body = {"model": MODEL, "prompt": list(range(100, 140)), "max_tokens": 2, "ignore_eos": True}
+    with running_server(engine) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
+        counts = []
+        for _ in range(2):
+            expect_status(http.post("/v1/completions", json=body))
+            values = wait_until_idle(http)
+            counts.append((values["minivllm_prefix_cache_queries_total"], values["minivllm_prefix_cache_hits_total"]))
+    assert counts == [(40, 0), (80, 32)]

@@ -10,11 +10,16 @@
 Every handler is a coroutine that only validates, hands the request to the engine thread and
 relays what comes back: nothing here waits on the model, so one slow request never holds up
 the others. Bad input is answered with OpenAI's error body and a 4xx before the request ever
-reaches the engine (or, for what only the engine can judge, as soon as it refuses).
+reaches the engine (or, for what only the engine can judge, as soon as it refuses). A failure
+inside the server is a 500 with the same body, whose message says what raised (in a student
+copy, the exercise whose stub it was); once a streamed answer has begun, its status is already
+sent, so the error comes as one last event, `data: {"error": ...}`, before `data: [DONE]` (as
+vLLM does; the openai client raises it as an APIError).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -30,12 +35,13 @@ from minivllm.engine.llm import render_chat
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.machine import environment
-from minivllm.serving.async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream
+from minivllm.serving.async_engine import AsyncEngine, EngineDead, EngineFailed, Overloaded, RequestStream
 from minivllm.serving.protocol import (ChatCompletionRequest, CompletionRequest, chat_response, completion_response,
                                        error_body)
-from minivllm.serving.sse import Chunks, stream_events
+from minivllm.serving.sse import DONE, Chunks, sse, stream_events
 
 T = TypeVar("T")
+log = logging.getLogger("minivllm.serving")
 
 
 class APIError(Exception):
@@ -49,6 +55,15 @@ class APIError(Exception):
 
 class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
+
+
+def server_error(err: Exception) -> APIError:
+    """What the client is told when something failed inside the server: a 500 naming it, or a
+    503 while the server shuts down."""
+    if isinstance(err, EngineDead) and not isinstance(err, EngineFailed):
+        return APIError(503, str(err), kind="engine_unavailable")
+    message = str(err) if isinstance(err, EngineFailed) else f"{type(err).__name__}: {err}"
+    return APIError(500, message, kind="internal_server_error")
 
 
 def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static_batch_size: int | None = None) -> FastAPI:
@@ -68,6 +83,12 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if err.status == 503 else None
         return JSONResponse(error_body(err.message, err.kind, err.param, err.code), err.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def failure(request: Request, err: Exception) -> JSONResponse:
+        """Anything a route did not expect: a 500 that says what raised (the server still logs
+        the traceback)."""
+        return await api_error(request, server_error(err))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -89,7 +110,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
         except Overloaded as err:
             raise APIError(503, str(err), kind="server_overloaded")
         except EngineDead as err:
-            raise APIError(503, str(err), kind="engine_unavailable")
+            raise server_error(err)
 
     async def answer(stream: RequestStream, chunks: Chunks, n: int, include_usage: bool, streaming: bool,
                      request: Request, respond: Any) -> Response:
@@ -102,15 +123,24 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
         except ClientGone:
             async_engine.abort(stream.request_id)
             return Response(status_code=499)  # nobody reads it: the client is gone
+        except EngineDead as err:
+            raise server_error(err)
         return JSONResponse(respond(output, chunks.request_id, chunks.created, model_name, chunks.top_logprobs))
 
     async def abort_if_left(stream: RequestStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
         """Relay the events; if the client disconnects first, Starlette cancels this generator
         at its current `await`, and the `finally` aborts the request (its KV blocks are freed
-        before the engine's next step)."""
+        before the engine's next step). If making an event fails, the stream ends with an
+        error event: the 200 and the events before it are already on their way."""
         try:
             async for event in events:
                 yield event
+        except Exception as err:  # not a disconnect: that cancels, which is no Exception
+            if not isinstance(err, EngineDead):  # (the engine thread logged its own failure)
+                log.exception("a streamed answer failed")
+            error = server_error(err)
+            yield sse(error_body(error.message, error.kind))
+            yield DONE
         finally:
             if not stream.done:
                 async_engine.abort(stream.request_id)
@@ -142,7 +172,8 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
     async def health() -> Response:
         if async_engine.alive:
             return Response(status_code=200)
-        return JSONResponse(error_body(f"the engine is not running ({async_engine.error!r})", "engine_unavailable"), 503)
+        reason = f"{type(async_engine.error).__name__}: {async_engine.error}" if async_engine.error else "stopped"
+        return JSONResponse(error_body(f"the engine is not running ({reason})", "engine_unavailable"), 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
