@@ -51,7 +51,9 @@ CONTRACTS = {
     "gather_kv": ["[context_len, Hkv, D]", "[num_blocks, block_size, Hkv, D]", "padded with -1"],
     "BlockManager.grow": ["blocks_for(num_tokens)", 'RuntimeError("out of KV blocks', "change nothing"],
     "Scheduler.schedule": ["max_num_batched_tokens", "self.preempt", "out.preempted", "max_num_seqs",
-                           "one block per running request", "out.add(seq, n)"],
+                           "one block per running request", "admitted earlier in this same step", "no one overtakes",
+                           "only if nothing was preempted", "its blocks for those tokens only", "out.add(seq, n)",
+                           "return out"],
     "filter_logits": ["[S, V]", "-inf", "softmax over the kept", "always stays", "left unchanged"],
     "merge_partials": ["[..., P]", "[..., P, D]", "[..., D]", "-inf"],
     "bucket_for": ["ascending", ">= num_seqs", "ValueError"],
@@ -61,7 +63,8 @@ CONTRACTS = {
     "find_stop_string": ["None if none", "len(s) - 1", "listed first wins"],
     "block_hashes": ["len(token_ids) // block_size", "hash_block(", "partly filled last block has no hash"],
     "PrefixCachingBlockManager.longest_cached_prefix": ["first hash not in self.cached", "Reads only", "never a gap"],
-    "PrefixCachingBlockManager.release": ["young end of self.free", "last block first", "free + owned blocks = the pool"],
+    "PrefixCachingBlockManager.release": ["young end of self.free", "last block first", "free + owned blocks = the pool",
+                                          "`table` is empty"],
 }
 
 
@@ -106,6 +109,36 @@ def test_the_student_copy_states_each_exercise_contract(qualname):
     assert not missing, f"{qualname}: the docstring does not state {missing}:\n{student_doc}"
     assert not re.search(r"\b(see|shown) below\b|\bbelow\)", flat), \
         f"{qualname}: the docstring points below, into code the stub removes:\n{student_doc}"
+
+
+def unreachable_after_a_stub(tree: ast.AST) -> list[str]:
+    """Statements that follow a stub's `raise NotImplementedError(...)` in the same block: a
+    student who finds them after the raise may delete them as dead code."""
+    found = []
+    for node in ast.walk(tree):
+        for block in (getattr(node, name, None) for name in ("body", "orelse", "finalbody")):
+            for i, statement in enumerate(block if isinstance(block, list) else []):
+                raised = statement.exc if isinstance(statement, ast.Raise) else None
+                if isinstance(raised, ast.Call) and getattr(raised.func, "id", None) == "NotImplementedError":
+                    found += [f"line {s.lineno}: {ast.unparse(s).splitlines()[0]}" for s in block[i + 1:]]
+    return found
+
+
+@pytest.mark.parametrize("path", sorted({ex.path for ex in EXERCISES}))
+def test_no_stub_is_followed_by_code_that_a_student_must_keep(path):
+    """In the student copy, the stub's raise is the last statement of its block: code the
+    function needs after the exercise belongs inside the solution region (and its docstring)
+    or before it."""
+    stubbed = stub_source((ROOT / path).read_text(), {ex.qualname: ex for ex in EXERCISES if ex.path == path}, path)
+    assert not unreachable_after_a_stub(ast.parse(stubbed)), \
+        f"{path}: in the student copy these lines follow a stub's raise: {unreachable_after_a_stub(ast.parse(stubbed))}"
+
+
+def test_unreachable_code_after_a_stub_is_found():
+    stubbed = stub_source(SAMPLE.replace("    return y\n    # END SOLUTION\n", "    # END SOLUTION\n    return y\n"),
+                          SAMPLE_EXERCISES)
+    assert unreachable_after_a_stub(ast.parse(stubbed)) == ["line 5: return y"]
+    assert unreachable_after_a_stub(ast.parse(stub_source(SAMPLE, SAMPLE_EXERCISES))) == []  # Pool.take's return None is reachable
 
 
 def test_registry_entries_are_well_formed():
