@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_checks import (ENGINE, MODEL, TIMEOUT, answer, chunks_of, error_event, expect_status, metric_values,
-                           openai_client, running_server, wait_until_idle)
+from server_checks import (ENGINE, MODEL, TIMEOUT, answer, chunks_of, error_event, expect_status, openai_client,
+                           running_server, wait_until_idle)
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
 from minivllm.bench.load import SLO, RequestResult, bench_serve, summarize
