@@ -66,6 +66,8 @@ def name_the_prerequisite(item: pytest.Item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
+    # A junit report (--junitxml, for a gradebook) says which chapters each check belongs to.
+    item.user_properties.append(("chapters", " ".join(chapters_of(item))))
     return (yield from name_the_prerequisite(item))  # fixtures may call a stub too
 
 

@@ -281,3 +281,71 @@ def test_student_copy_of_one_chapter_keeps_the_others(tmp_path):
     masks = (copy / "minivllm/attention/masks.py").read_text()
     assert "Exercise ch04 block_diagonal_mask" in masks and "Exercise ch01" not in masks
     assert "# BEGIN SOLUTION" in masks  # chapter 1's solution is still there, markers included
+
+
+# ---- Each chapter's checks depend only on its own and earlier chapters' exercises ----
+
+CHAPTERS = sorted({ex.chapter for ex in EXERCISES})
+
+
+@pytest.fixture(scope="module")
+def classroom(tmp_path_factory):
+    """One copy of the repository, made once, whose exercise files each check rewrites: the
+    solutions of the chapters it keeps, the stubs of the others."""
+    copy = tmp_path_factory.mktemp("classroom") / "repo"
+    make_student_copy(copy, chapters=[])  # nothing stubbed yet
+    sources = {path: (copy / path).read_text() for path in {ex.path for ex in EXERCISES}}
+    return copy, sources
+
+
+def stub_from(copy, sources: dict[str, str], first: str) -> None:
+    """In the copy, stub every exercise of chapter `first` and later; keep the earlier solutions."""
+    for path, source in sources.items():
+        stubbed = {ex.qualname: ex for ex in EXERCISES if ex.path == path and ex.chapter >= first}
+        (copy / path).write_text(stub_source(source, stubbed, path))
+
+
+def check_outcomes(report) -> list[tuple[str, list[str], str | None]]:
+    """(test id, its chapters, the text of its failure or None) for every check a junit report holds."""
+    import xml.etree.ElementTree as ET
+
+    found = []
+    for case in ET.parse(report).iter("testcase"):
+        chapters = next((p.get("value", "").split() for p in case.iter("property") if p.get("name") == "chapters"), [])
+        failed = [f for f in case if f.tag in ("failure", "error")]
+        text = "\n".join((f.get("message") or "") + "\n" + (f.text or "") for f in failed) if failed else None
+        found.append((f"{case.get('classname')}::{case.get('name')}", chapters, text))
+    return found
+
+
+@solutions
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter):
+    """With `chapter` and every later chapter stubbed (earlier ones solved): the previous
+    chapter's checks all pass, so none of them needs a later exercise; and every check of
+    `chapter` that fails names one of this chapter's exercises. Run over every chapter, this is
+    the classroom's promise: `pytest -m chNN` fails only on chapter NN's stubs and earlier ones,
+    and says which. (Not every stub need be reached: chapter 4's stage stops on cu_seqlens
+    before it calls RaggedAttention.__call__.)"""
+    copy, sources = classroom
+    stub_from(copy, sources, chapter)
+    before = CHAPTERS[CHAPTERS.index(chapter) - 1] if chapter != CHAPTERS[0] else None
+    report = copy / f"report-{chapter}.xml"
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+    marker = f"{before} or {chapter}" if before else chapter
+    result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider",
+                             f"--junitxml={report}"], cwd=copy, env=env, capture_output=True, text=True, timeout=1100)
+    outcomes = check_outcomes(report) if report.is_file() else []
+    assert outcomes, f"no checks ran for -m '{marker}':\n{(result.stdout + result.stderr)[-3000:]}"
+    broken = [(test, text) for test, chapters, text in outcomes if before in chapters and text is not None]
+    assert not broken, (f"{len(broken)} {before} checks fail while {chapter} and later chapters are stubs (they must "
+                        "depend only on chapters up to theirs); the first:\n"
+                        + "\n\n".join(f"{test}\n{text[:1500]}" for test, text in broken[:3]))
+    mine = [ex for ex in EXERCISES if ex.chapter == chapter]
+    unnamed = [(test, text) for test, chapters, text in outcomes
+               if text is not None and not any(f"Exercise {ex.label}:" in text for ex in mine)]
+    assert not unnamed, (f"{len(unnamed)} {chapter} checks fail without naming one of the chapter's exercises "
+                         f"({', '.join(ex.qualname for ex in mine)}); the first:\n"
+                         + "\n\n".join(f"{test}\n{text[:1500]}" for test, text in unnamed[:3]))
