@@ -1,8 +1,9 @@
 """Chapter 10: the OpenAI-compatible server. The official openai client streams completions
 and chats; streamed greedy text equals LLM.generate's; 100 concurrent streams all finish with
 their tokens; a client that disconnects frees its KV blocks; bad requests get a 4xx while
-the server keeps serving; a full queue answers 503; static mode never mixes batches; /metrics
-is Prometheus text whose counters add up; and the streaming exercise's deltas.
+the server keeps serving; a full queue answers 503; a failure inside the server reaches the client
+as a 500 or a last stream event naming it; static mode never mixes batches; /metrics is Prometheus
+text whose counters add up; and the streaming exercise's deltas.
 
 Each server runs in a thread on 127.0.0.1 with an OS-chosen port, on the embedded default
 model (4M parameters, its real tokenizer), and is shut down by its fixture. Every wait is
