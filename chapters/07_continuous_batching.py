@@ -9,6 +9,7 @@ Shows a sample through `LLM`, then serves requests arriving as a Poisson process
 - continuous vs static batching on the same arrivals and the same engine at several request
   rates: TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99, and useful throughput
   (figures/07_latency_vs_rate.png, benchmarks/results/07_continuous_batching.json).
+Every engine here is chapter 7's: prefix caching, chapter 11's, is off.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
 
 # The traced run: a pool too small for everyone admitted to grow at once, so the newest
 # running request is preempted now and then (3 times with the default seed).
-TIMELINE_ENGINE = dict(block_size=16, num_kv_blocks=32, max_num_batched_tokens=128, max_num_seqs=8)
+TIMELINE_ENGINE = dict(block_size=16, num_kv_blocks=32, max_num_batched_tokens=128, max_num_seqs=8,
+                       enable_prefix_caching=False)
 ARRIVAL_GAP = 8  # engine steps between arrivals, on average
 
 STATIC_EXPLAINED = (
@@ -37,7 +39,7 @@ STATIC_EXPLAINED = (
 
 
 def sample(model: torch.nn.Module, tokenizer) -> None:
-    llm = LLM(model, tokenizer=tokenizer)
+    llm = LLM(model, tokenizer=tokenizer, enable_prefix_caching=False)
     prompt = encode_or_random(tokenizer, DEMO_PROMPT, model.config.vocab_size)
     greedy, sampled = llm.generate([prompt, prompt], [SamplingParams(max_tokens=40, temperature=0),
                                                       SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=0)],
@@ -112,7 +114,8 @@ def main() -> None:
     trace_facts = timeline(model, args)
     console.print(f"timeline run: {trace_facts}")
 
-    engine = LLMEngine(model, max_num_batched_tokens=args.budget, max_num_seqs=args.batch_size)
+    engine = LLMEngine(model, max_num_batched_tokens=args.budget, max_num_seqs=args.batch_size,
+                       enable_prefix_caching=False)
     serve_continuous(engine, make_workload("tiny", model.config.vocab_size, rate=100.0))  # warm-up
     console.print(STATIC_EXPLAINED)
     results: dict[str, list[dict]] = {"continuous": [], "static": []}

@@ -46,7 +46,8 @@ def same_tokens(model, tokenizer, variants: list[str]) -> dict[str, bool]:
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
     for name in variants:
-        llm = LLM(model, tokenizer=tokenizer, max_num_seqs=8, max_model_len=128, **VARIANTS[name])
+        llm = LLM(model, tokenizer=tokenizer, max_num_seqs=8, max_model_len=128, enable_prefix_caching=False,
+                  **VARIANTS[name])
         outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     show_sample(tokenizer, prompt, outputs[variants[-1]][0], f"LLM ({variants[-1]})")

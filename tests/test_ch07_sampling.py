@@ -77,6 +77,46 @@ def test_filter_logits_leaves_unfiltered_rows_alone_and_keeps_the_top_token():
     assert torch.equal(tight.isfinite().nonzero()[:, 1], logits.argmax(-1))  # exactly the top token survives
 
 
+# Small rows whose filtered set is known by hand: (logits, top_k, top_p, the tokens that stay).
+# Logits are log-probabilities, so the probabilities are the numbers in each case's name.
+FILTER_CASES = {
+    "top_p keeps the token whose probability crosses it: 0.5 + 0.3 >= 0.7":
+        ([0.5, 0.3, 0.15, 0.05], 0, 0.7, [0, 1]),
+    "top_p stops as soon as the sum reaches it: 0.5 + 0.3 + 0.15 >= 0.81, the last token is cut":
+        ([0.5, 0.3, 0.15, 0.05], 0, 0.81, [0, 1, 2]),
+    "top_p measured on the softmax over the kept top_k: top 2 renormalised to 0.625 + 0.375, and 0.625 >= 0.6":
+        ([0.5, 0.3, 0.15, 0.05], 2, 0.6, [0]),
+    "the most likely token stays, however small top_p": ([0.5, 0.3, 0.15, 0.05], 0, 0.01, [0]),
+    "top_k keeps the k largest wherever they are in the row": ([0.1, 0.4, 0.05, 0.3, 0.15], 2, 1.0, [1, 3]),
+    "top_k keeps every token tied with the k-th largest: 3 tokens for top_k = 2": ([0.4, 0.25, 0.25, 0.1], 2, 1.0, [0, 1, 2]),
+    "top_k larger than the vocabulary keeps everything": ([0.4, 0.35, 0.25], 5, 1.0, [0, 1, 2]),
+}
+
+
+def kept_row(tokens: list[int], size: int) -> str:
+    return " ".join("kept" if t in tokens else "cut " for t in range(size))
+
+
+@pytest.mark.parametrize("case", list(FILTER_CASES))
+def test_filter_logits_keeps_exactly_the_tokens_it_should(case):
+    probs, top_k, top_p, keep = FILTER_CASES[case]
+    logits = torch.tensor(probs).log()
+    got = filter_logits(logits[None], torch.tensor([top_k]), torch.tensor([top_p]))[0]
+    kept = got.isfinite().nonzero().flatten().tolist()
+    assert kept == keep, (f"{case}\nfilter_logits(log {probs}, top_k={top_k}, top_p={top_p}):\n"
+                          f"  expected: {kept_row(keep, len(probs))}\n  got:      {kept_row(kept, len(probs))}")
+    assert torch.equal(got[keep], logits[keep]) and torch.all(got[[t for t in range(len(probs)) if t not in keep]] == -torch.inf), \
+        f"{case}: kept logits must stay as they were and the others become -inf, got {got.tolist()}"
+
+
+def test_filter_logits_filters_each_row_with_its_own_settings():
+    rows = torch.tensor([v for v, *_ in FILTER_CASES.values() if len(v) == 4]).log()
+    settings = [(k, p, keep) for v, k, p, keep in FILTER_CASES.values() if len(v) == 4]
+    got = filter_logits(rows, torch.tensor([k for k, _, _ in settings]), torch.tensor([p for _, p, _ in settings]))
+    for row, (k, p, keep) in zip(got, settings):
+        assert row.isfinite().nonzero().flatten().tolist() == keep, f"the row with top_k={k}, top_p={p} in a batch"
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1e-6, 1e-30, 5e-324])
 def test_a_vanishing_temperature_is_greedy(temperature):
     # Logits this large overflow to inf when divided by 1e-30: the sampler must not divide.

@@ -313,19 +313,6 @@ def test_prompt_logprobs_in_chunks_and_with_n_completions(qwen3):
     assert llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
 
 
-def test_prompt_logprobs_of_a_prompt_already_in_the_prefix_cache(qwen3):
-    model, hf_model = qwen3
-    prompt = random_prompts([40], seed=4)[0]
-    llm = LLM(model, enable_prefix_caching=True)
-    llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)  # its blocks are now cached...
-    # ...but a request that wants the prompt's logprobs must compute the prompt (as in vLLM).
-    out = llm.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
-    assert len(out.prompt_logprobs) == len(prompt)
-    reference = hf_logprobs(hf_model, prompt)
-    for p in range(1, len(prompt)):
-        check_position(out.prompt_logprobs[p], reference[p - 1], prompt[p], 1)
-
-
 def test_greedy_tokens_equal_transformers_with_logprobs_asked_and_tiny_temperatures(model, hf_model, reference):
     llm = LLM(model)
     want = [reference(hf_model, p, 8) for p in PROMPTS]

@@ -1,8 +1,9 @@
 """Chapter 10: the OpenAI-compatible server. The official openai client streams completions
 and chats; streamed greedy text equals LLM.generate's; 100 concurrent streams all finish with
 their tokens; a client that disconnects frees its KV blocks; bad requests get a 4xx while
-the server keeps serving; a full queue answers 503; static mode never mixes batches; /metrics
-is Prometheus text whose counters add up; and the streaming exercise's deltas.
+the server keeps serving; a full queue answers 503; a failure inside the server reaches the client
+as a 500 or a last stream event naming it; static mode never mixes batches; /metrics is Prometheus
+text whose counters add up; and the streaming exercise's deltas.
 
 Each server runs in a thread on 127.0.0.1 with an OS-chosen port, on the embedded default
 model (4M parameters, its real tokenizer), and is shut down by its fixture. Every wait is
@@ -13,32 +14,27 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from server_checks import (ENGINE, MODEL, TIMEOUT, answer, chunks_of, error_event, expect_status, openai_client,
+                           running_server, wait_until_idle)
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
 from minivllm.bench.load import SLO, RequestResult, bench_serve, summarize
 from minivllm.engine.outputs import CompletionOutput, RequestOutput
 from minivllm.engine.trace import Trace
-from minivllm.serving import threaded
 from minivllm.serving.sse import DONE, Chunks, StreamState, new_deltas, sse, stream_events
 
 pytestmark = pytest.mark.ch10
 
-MODEL = "tiny-server"
-ENGINE = dict(num_kv_blocks=512, max_num_seqs=128)  # 8,192 KV slots: plenty for these tests, 32 MiB
 # A plain-text chat template: the embedded model's tokenizer has none of its own.
 CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}# assistant:{% endif %}")
 PROMPTS = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    def push(self, item):\n        self.",
            "for i in range("]
-TIMEOUT = 60  # seconds any one client call may take
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +55,6 @@ def llm(default_model, tokenizer) -> LLM:
     return LLM(default_model, tokenizer=tokenizer, **ENGINE)
 
 
-def running_server(engine: LLMEngine, **options) -> AbstractContextManager[tuple[str, object]]:
-    """The chapter's server in a thread on 127.0.0.1 (a port the OS picks), serving model MODEL."""
-    return threaded.running_server(engine, MODEL, **options)
-
-
 @pytest.fixture(scope="module")
 def server(default_model, tokenizer):
     with running_server(LLMEngine(default_model, tokenizer=tokenizer, **ENGINE)) as (url, app):
@@ -78,10 +69,6 @@ def http(server) -> Iterator[httpx.Client]:
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
-
-
-def openai_client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
 def test_openai_client_streams_a_completion_equal_to_generate(server, llm):
@@ -125,10 +112,11 @@ async def stream_text(client: httpx.AsyncClient, body: dict) -> tuple[str, dict]
     text, usage = [], None
     async with client.stream("POST", "/v1/completions", json=body | {"stream": True,
                                                                      "stream_options": {"include_usage": True}}) as r:
-        assert r.status_code == 200, await r.aread()
+        assert r.status_code == 200, f"HTTP {r.status_code}: {(await r.aread()).decode()}"
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != DONE.strip():
                 chunk = json.loads(line.removeprefix("data: "))
+                assert error_event(chunk) is None, f"the stream ended with an error event: {error_event(chunk)}"
                 text += [c["text"] for c in chunk["choices"]]
                 usage = chunk.get("usage") or usage
     return "".join(text), usage
@@ -153,42 +141,21 @@ def test_100_concurrent_streams_all_finish_with_their_tokens(server, llm, tokeni
     assert [text for text, _ in results] == expected
 
 
-def metric_values(http: httpx.Client) -> dict[str, float]:
-    """/metrics parsed as Prometheus text: sample name (with labels) -> value."""
-    response = http.get("/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    values = {}
-    for family in text_string_to_metric_families(response.text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            values[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return values
-
-
-def wait_until_idle(http: httpx.Client, seconds: float = 20) -> dict[str, float]:
-    deadline = time.monotonic() + seconds
-    while True:
-        values = metric_values(http)
-        if values["minivllm_num_requests_running"] == values["minivllm_num_requests_waiting"] == 0:
-            return values
-        assert time.monotonic() < deadline, f"still busy after {seconds} s: {values}"
-        time.sleep(0.05)
-
-
 def test_disconnect_mid_stream_aborts_and_frees_every_kv_block(server, http):
     engine = server[1].state.engine.engine
     before = wait_until_idle(http)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
+        expect_status(response)
         lines = response.iter_lines()
-        assert sum(line.startswith("data: ") for _, line in zip(range(6), lines)) == 3  # 3 events, 3 separators
+        assert len(list(chunks_of(line for _, line in zip(range(6), lines)))) == 3  # 3 events, 3 separators
     after = wait_until_idle(http)  # the connection is closed: the server must notice and abort
     assert after.get("minivllm_requests_finished_total{finished_reason=abort}", 0) == \
         before.get("minivllm_requests_finished_total{finished_reason=abort}", 0) + 1
     assert after["minivllm_generation_tokens_total"] - before["minivllm_generation_tokens_total"] < 400
     assert after["minivllm_kv_cache_usage"] == 0
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
-    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 2}).status_code == 200
+    expect_status(http.post("/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 2}))
 
 
 TOO_LONG = list(range(1, 600))  # the embedded model's context is 512 tokens
@@ -226,11 +193,11 @@ def test_bad_request_gets_its_4xx_and_the_next_good_one_succeeds(http, path, cas
     body, status = (BAD_COMPLETIONS if path == "/v1/completions" else BAD_CHATS)[case]
     content = body if isinstance(body, str) else json.dumps(body)
     response = http.post(path, content=content, headers={"content-type": "application/json"})
-    assert response.status_code == status, response.text
+    expect_status(response, status)
     error = response.json()["error"]
     assert error["message"] and error["type"]
     good = http.post("/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 3, "temperature": 0})
-    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+    assert answer(good)["usage"]["completion_tokens"] == 3
 
 
 def test_a_full_queue_answers_503(default_model, tokenizer):
@@ -239,13 +206,71 @@ def test_a_full_queue_answers_503(default_model, tokenizer):
     with running_server(engine, max_waiting=1) as (url, _), \
             httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
         with http.stream("POST", "/v1/completions", json=long) as running:
+            expect_status(running)
             lines = running.iter_lines()  # (kept: dropping a half-read iterator closes the connection)
             next(lines)  # its first token is out: it runs, and holds the only seat
             with http.stream("POST", "/v1/completions", json=long) as waiting:
-                assert waiting.status_code == 200  # accepted: it waits in the queue
+                expect_status(waiting)  # accepted: it waits in the queue
                 refused = http.post("/v1/completions", json=long)
-                assert refused.status_code == 503, refused.text
+                expect_status(refused, 503)
                 assert "max_waiting" in refused.json()["error"]["message"]
+
+
+STUB = "Exercise ch99 broken_step: a stub that was never written"  # what a student copy's stub raises
+
+
+def failing_after(calls: int, function):
+    """`function`, except that every call after the first `calls` raises NotImplementedError(STUB)."""
+    made = []
+
+    def call_or_fail(*args, **kwargs):
+        made.append(1)
+        if len(made) > calls:
+            raise NotImplementedError(STUB)
+        return function(*args, **kwargs)
+    return call_or_fail
+
+
+def test_a_failed_step_reaches_every_client_as_a_500_naming_it(default_model, tokenizer):
+    """A step that raises stops the engine. The request waiting for it and every later one get a
+    500 whose OpenAI error body names what raised (in a student copy: the exercise), and
+    /health says why the engine stopped."""
+    engine = LLMEngine(default_model, tokenizer=tokenizer, num_kv_blocks=64)
+    engine.step = failing_after(0, engine.step)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4}
+    with running_server(engine) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
+        for _ in range(2):  # in flight when the step fails, then after
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 500, response.text
+            error = response.json()["error"]
+            assert error["type"] == "internal_server_error" and f"NotImplementedError: {STUB}" in error["message"]
+        health = http.get("/health")
+        assert health.status_code == 503 and STUB in health.json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError, match="Exercise ch99 broken_step"):
+            openai_client(url).completions.create(model=MODEL, prompt="x", max_tokens=2)
+
+
+def test_a_stream_that_fails_after_it_began_ends_with_an_error_event(default_model, tokenizer, monkeypatch):
+    """Once a stream has begun its 200 is sent: a failure, in the engine thread or in the event
+    loop, ends the stream with one `data: {"error": ...}` event naming it, then [DONE]; the
+    openai client raises it as an APIError."""
+    engine = LLMEngine(default_model, tokenizer=tokenizer, num_kv_blocks=64)
+    engine.step = failing_after(3, engine.step)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "ignore_eos": True, "stream": True}
+    with running_server(engine) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            expect_status(response)
+            events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                      if line.startswith("data: ") and line != DONE.strip()]
+            # (a reader that fell behind gets only the newest output: how many token chunks
+            # come before the error depends on timing, up to one per step that ran)
+            assert len(events) <= 4 and all(len(e["choices"]) == 1 for e in events[:-1])
+            assert STUB in error_event(events[-1])
+    fresh = LLMEngine(default_model, tokenizer=tokenizer, num_kv_blocks=64)
+    monkeypatch.setattr("minivllm.serving.sse.new_deltas", failing_after(0, None))  # fails in the event loop
+    with running_server(fresh) as (url, _):
+        with pytest.raises(openai.APIError, match="Exercise ch99 broken_step"):
+            list(openai_client(url).completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True))
 
 
 def test_static_mode_runs_batches_that_never_mix(default_model, tokenizer):
@@ -274,8 +299,7 @@ def test_static_mode_runs_batches_that_never_mix(default_model, tokenizer):
 def test_metrics_are_prometheus_text_whose_counts_add_up(server, http):
     before = wait_until_idle(http)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 7, "ignore_eos": True})
-    assert response.status_code == 200
+    expect_status(http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 7, "ignore_eos": True}))
     after = wait_until_idle(http)
     assert after["minivllm_prompt_tokens_total"] - before["minivllm_prompt_tokens_total"] == len(prompt)
     assert after["minivllm_generation_tokens_total"] - before["minivllm_generation_tokens_total"] == 7
@@ -287,25 +311,9 @@ def test_metrics_are_prometheus_text_whose_counts_add_up(server, http):
     assert after["minivllm_kv_cache_usage"] == 0
 
 
-@pytest.mark.ch11  # the prefix cache's hit counters
-def test_metrics_count_prefix_cache_queries_and_hits(default_model, tokenizer):
-    """The second request with the same 40-token prompt finds its two full 16-token blocks (32
-    tokens; the last block is partial, and the last prompt token is always computed)."""
-    engine = LLMEngine(default_model, tokenizer=tokenizer, enable_prefix_caching=True, **ENGINE)
-    prompt = list(range(100, 140))
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
-    with running_server(engine) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
-        counts = []
-        for _ in range(2):
-            assert http.post("/v1/completions", json=body).status_code == 200
-            values = wait_until_idle(http)
-            counts.append((values["minivllm_prefix_cache_queries_total"], values["minivllm_prefix_cache_hits_total"]))
-    assert counts == [(40, 0), (80, 32)]
-
-
 def test_health_and_models(http):
-    assert http.get("/health").status_code == 200
-    models = http.get("/v1/models").json()
+    expect_status(http.get("/health"))
+    models = answer(http.get("/v1/models"))
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 512
 
 
@@ -326,11 +334,9 @@ def streamed_choices(http: httpx.Client, body: dict) -> dict[int, dict]:
     """Per completion index: its streamed text, finish and stop reasons, and token logprobs."""
     choices: dict[int, dict] = {}
     with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == DONE.strip():
-                continue
-            for c in json.loads(line.removeprefix("data: "))["choices"]:
+        expect_status(response)
+        for chunk in chunks_of(response.iter_lines()):
+            for c in chunk["choices"]:
                 mine = choices.setdefault(c["index"], {"text": "", "logprobs": []})
                 mine["text"] += c["text"]
                 mine["logprobs"] += (c["logprobs"] or {}).get("token_logprobs", [])
@@ -344,7 +350,7 @@ def test_sampling_fields_map_to_samplingparams(http, llm, case):
     fields, kwargs = SAMPLING_CASES[case]
     expected = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, **kwargs), use_tqdm=False)[0].outputs
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12} | fields
-    whole = http.post("/v1/completions", json=body).json()
+    whole = answer(http.post("/v1/completions", json=body))
     streamed = streamed_choices(http, body)
     assert sorted(streamed) == [c.index for c in expected] == [c["index"] for c in whole["choices"]]
     for c, mine in zip(expected, whole["choices"]):
@@ -362,15 +368,15 @@ def test_prompt_logprobs_and_chat_logprobs(http, llm):
     prompt = [11, 12, 13, 14]
     expected = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1, logprobs=1),
                             use_tqdm=False)[0]
-    whole = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
-                                               "prompt_logprobs": 1}).json()
+    whole = answer(http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3,
+                                                      "temperature": 0, "prompt_logprobs": 1}))
     got = whole["choices"][0]["prompt_logprobs"]
     assert got[0] is None and len(got) == len(prompt)
     assert [entry[str(t)]["logprob"] for t, entry in zip(prompt[1:], got[1:])] == \
         pytest.approx([entry[t].logprob for t, entry in zip(prompt[1:], expected.prompt_logprobs[1:])])
-    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                   "max_tokens": 3, "temperature": 0, "logprobs": True,
-                                                   "top_logprobs": 2}).json()
+    chat = answer(http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 3, "temperature": 0, "logprobs": True,
+                                                          "top_logprobs": 2}))
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"] == 3
     assert all(len(t["top_logprobs"]) == 2 and t["top_logprobs"][0]["logprob"] >= t["logprob"] for t in content)
@@ -405,7 +411,9 @@ def test_bench_serve_end_to_end(server, tmp_path, monkeypatch):
                           results="serving_test", figure="serving_test", timeout=TIMEOUT, deadline=TIMEOUT)
     run = payload["runs"]["concurrency"]["mine"]
     assert [lv["concurrency"] for lv in run["levels"]] == [1, 4]
-    assert all(lv["completed"] == lv["requests"] == 6 and lv["failed"] == 0 for lv in run["levels"])
+    for lv in run["levels"]:
+        assert lv["completed"] == lv["requests"] == 6 and lv["failed"] == 0, \
+            f"{lv['failed']} of {lv['requests']} requests failed at concurrency {lv['concurrency']}: {lv['errors']}"
     assert run["server"]["model"] == MODEL and run["server"]["scheduler"] == "continuous"
     assert json.loads((tmp_path / "benchmarks/results/serving_test.json").read_text()) == payload
     assert (tmp_path / "figures/serving_test.png").stat().st_size > 0
@@ -503,13 +511,13 @@ def test_streamed_completion_logprobs_equal_the_whole_answers(http):
     """Chunk by chunk, the legacy logprobs (tokens, their logprobs and text offsets) add up to
     those of the same request answered whole."""
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "logprobs": 2}
-    whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    whole = answer(http.post("/v1/completions", json=body))["choices"][0]["logprobs"]
     streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
     with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                logprobs = json.loads(line.removeprefix("data: "))["choices"][0]["logprobs"]
-                for key in streamed:
-                    streamed[key] += logprobs[key] if logprobs else []
+        expect_status(response)
+        for chunk in chunks_of(response.iter_lines()):
+            logprobs = chunk["choices"][0]["logprobs"]
+            for key in streamed:
+                streamed[key] += logprobs[key] if logprobs else []
     assert len(whole["tokens"]) == 12
     assert {key: whole[key] for key in streamed} == streamed

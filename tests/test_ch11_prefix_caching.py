@@ -1,16 +1,19 @@
 """Chapter 11: prefix caching. The hash chain, the longest-prefix lookup and reference-counted
 release against hand-built expectations; greedy tokens equal transformers' with caching on and
 off under starvation (tiny blocks, a pool that forces eviction and preemption, small budgets)
-for prompts that share none, one, many and all of their full blocks; and the block
-invariants after random sequences of add / step / abort."""
+for prompts that share none, one, many and all of their full blocks; the block invariants
+after random sequences of add / step / abort; and the hits as the server's /metrics counts them."""
 from __future__ import annotations
 
 import random
 from collections import Counter
 
+import httpx
 import pytest
+import torch
+from server_checks import ENGINE, MODEL, TIMEOUT, expect_status, running_server, wait_until_idle
 
-from minivllm import LLM, LLMEngine, SamplingParams
+from minivllm import LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.prefix_cache import PrefixCachingBlockManager, block_hashes, hash_block
 from minivllm.engine.sequence import Sequence
@@ -22,20 +25,52 @@ pytestmark = pytest.mark.ch11
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+def short(h: bytes) -> str:
+    return h.hex()[:12] if isinstance(h, bytes) else repr(h)
+
+
 def test_block_hashes_chain_the_full_blocks():
     tokens = list(range(10))
-    hashes = block_hashes(tokens, 4)
-    assert len(hashes) == 2, "two full blocks of 4; the last 2 tokens are a partial block with no hash"
-    assert hashes[0] == hash_block(None, [0, 1, 2, 3]) and hashes[1] == hash_block(hashes[0], [4, 5, 6, 7])
-    assert block_hashes(tokens[:3], 4) == [] and block_hashes(tokens, 1)[2] == hash_block(
-        hash_block(hash_block(None, [0]), [1]), [2])
-    # The same tokens after a different first block are different content: K/V depend on the past.
+    got = block_hashes(tokens, 4)
+    assert isinstance(got, list) and len(got) == 2, \
+        f"block_hashes(10 tokens, block_size=4): 2 full blocks; the last 2 tokens are a partial block with no hash. Got {len(got)} hashes"
+    first = hash_block(None, tokens[0:4])
+    assert got[0] == first, f"hashes[0] must be hash_block(None, tokens[0:4]) = {short(first)}..., got {short(got[0])}..."
+    second = hash_block(first, tokens[4:8])
+    if got[1] == hash_block(None, tokens[4:8]):
+        pytest.fail("hashes[1] must be hash_block(hashes[0], tokens[4:8]): it got hash_block(None, tokens[4:8]), "
+                    "so it ignores the block before it (whose tokens its K/V depend on)")
+    assert got[1] == second, f"hashes[1] must be hash_block(hashes[0], tokens[4:8]) = {short(second)}..., got {short(got[1])}..."
+    assert block_hashes(tokens[:3], 4) == [], "3 tokens fill no block of 4: no hash"
+    ones = block_hashes(tokens[:3], 1)
+    assert ones == [hash_block(None, [0]), hash_block(hash_block(None, [0]), [1]),
+                    hash_block(hash_block(hash_block(None, [0]), [1]), [2])], "block_size=1: every token is a block"
+    # What the chain buys: the same tokens after a different first block are different content.
     other = block_hashes([9, 1, 2, 3, 4, 5, 6, 7], 4)
-    assert other[0] != hashes[0] and other[1] != hashes[1]
-    # Equal prefixes, equal hashes; the first differing block and all after it differ.
-    changed = block_hashes(tokens[:4] + [99] + tokens[5:], 4)
-    assert changed[0] == hashes[0] and changed[1] != hashes[1]
-    assert len({hash_block(None, [i]) for i in range(100)}) == 100
+    assert other[0] != got[0] and other[1] != got[1], "a different first block changes every hash after it"
+
+
+def test_longest_cached_prefix_stops_at_the_first_miss():
+    """Only the lookup: the cache is filled by hand with hash_block's names."""
+    manager = PrefixCachingBlockManager(8, 2)
+    h0 = hash_block(None, [1, 2])
+    h1 = hash_block(h0, [3, 4])
+    h2 = hash_block(h1, [5, 6])
+    other = hash_block(None, [9, 9])
+    manager.cached.update({h0: 5, h1: 2, h2: 7})
+    cases = {
+        "all three found": ([h0, h1, h2], [5, 2, 7]),
+        "only the first asked for": ([h0], [5]),
+        "the first hash is missing": ([other, h1, h2], []),
+        "a miss in the middle: never skip a gap": ([h0, other, h2], [5]),
+        "a longer request: found up to the first hash not cached": ([h0, h1, h2, hash_block(h2, [7, 8])], [5, 2, 7]),
+        "no hashes": ([], []),
+    }
+    free, counts = list(manager.free), list(manager.ref_counts)
+    for case, (hashes, expected) in cases.items():
+        got = manager.longest_cached_prefix(hashes)
+        assert got == expected, f"{case}: cached = {{h0: 5, h1: 2, h2: 7}}, expected blocks {expected}, got {got}"
+    assert list(manager.free) == free and manager.ref_counts == counts, "longest_cached_prefix reads only"
 
 
 def seq_of(tokens: list[int], request_id: str = "r") -> Sequence:
@@ -50,14 +85,26 @@ def admit(manager: PrefixCachingBlockManager, tokens: list[int], request_id: str
     return seq, cached
 
 
-def test_longest_cached_prefix_stops_at_the_first_miss():
-    manager = PrefixCachingBlockManager(8, 2)
-    a, _ = admit(manager, [1, 2, 3, 4, 5, 6, 7])
-    h = block_hashes(a.token_ids, 2)
-    assert manager.longest_cached_prefix(h) == a.block_table[:3]
-    assert manager.longest_cached_prefix(h[:1]) == a.block_table[:1]
-    assert manager.longest_cached_prefix([hash_block(None, [9, 9]), *h[1:]]) == [], "a gap is never skipped"
-    assert manager.longest_cached_prefix(block_hashes([1, 2, 3, 4, 0, 0], 2)) == a.block_table[:2]
+def test_release_drops_counts_and_frees_the_last_owners_blocks_last_block_first():
+    """Only release, on a state set by hand: block 0 is shared by two tables, block 1 holds
+    named content, block 2 is private."""
+    manager = PrefixCachingBlockManager(6, 2)
+    for block, count in ((0, 2), (1, 1), (2, 1)):
+        manager.free.remove(block)
+        manager.ref_counts[block] = count
+    named = hash_block(None, [7, 7])
+    manager.cached[named], manager.block_hash[1] = 1, named
+    a, b = [0, 1], [0, 2]
+    manager.release(a)
+    assert a == [], "release empties the table"
+    assert manager.ref_counts[:3] == [1, 0, 1], f"each block's count drops by one: expected [1, 0, 1], got {manager.ref_counts[:3]}"
+    assert list(manager.free) == [3, 4, 5, 1], \
+        f"block 1 has no owner left: it goes to the young end of the free list; block 0 is still b's. Free list: {list(manager.free)}"
+    assert manager.cached == {named: 1}, "a freed block keeps its content: it stays findable until evicted"
+    manager.release(b)
+    assert list(manager.free) == [3, 4, 5, 1, 2, 0], \
+        f"release([0, 2]) lets go last block first, so block 0, the prefix, is evicted last: free list {list(manager.free)}"
+    assert manager.ref_counts == [0] * 6 and b == []
 
 
 def test_sharing_counts_and_release_order():
@@ -205,19 +252,24 @@ def test_invariants_under_random_add_step_abort(qwen3_model, hf_models, referenc
     assert engine.block_manager.hit_tokens > 0 and engine.trace.num_preemptions > 0
 
 
-def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(qwen3_model):
+def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(qwen3_model, hf_models):
     """A request that asks for prompt logprobs needs every prompt token's logits, so it reuses
-    no cached block; its logprobs equal those of an engine without a cache."""
+    no cached block (as in vLLM); its logprobs equal those of an engine without a cache, and
+    transformers' log_softmax."""
     prompt = PROMPTS[2]
     params = SamplingParams(max_tokens=3, prompt_logprobs=1, **GREEDY)
     cached = LLM(qwen3_model, block_size=4)
     cached.generate(prompt, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)  # fills the cache
     with_cache = cached.generate(prompt, params, use_tqdm=False)[0]
+    assert with_cache.num_cached_tokens == 0
     plain = LLM(qwen3_model, block_size=4, enable_prefix_caching=False).generate(prompt, params, use_tqdm=False)[0]
     assert with_cache.prompt_logprobs[0] is None and len(with_cache.prompt_logprobs) == len(prompt)
-    for got, want in zip(with_cache.prompt_logprobs[1:], plain.prompt_logprobs[1:]):
+    with torch.no_grad():  # row j of transformers' log_softmax predicts prompt token j + 1
+        reference = hf_models["qwen3"](torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    for j, (got, want) in enumerate(zip(with_cache.prompt_logprobs[1:], plain.prompt_logprobs[1:])):
         assert got.keys() == want.keys()
         assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
+        assert got[prompt[j + 1]].logprob == pytest.approx(float(reference[j, prompt[j + 1]]), abs=1e-4)
 
 
 def test_n_completions_share_their_prompt_blocks(qwen3_model):
@@ -258,3 +310,18 @@ def test_hits_are_counted_once_per_admission_not_per_lookup(qwen3_model):
     assert outputs["late"].num_cached_tokens == 16
     assert manager.hit_tokens == engine.trace.num_cached_tokens == 16
     assert manager.queried_tokens == sum(map(len, prompts.values()))
+
+
+def test_the_server_metrics_count_prefix_cache_queries_and_hits():
+    """Over HTTP (chapter 10's server): the second request with the same 40-token prompt finds its
+    two full 16-token blocks (32 tokens; the last block is partial, and the last prompt token is
+    always computed)."""
+    engine = LLMEngine(load_model(device="cpu"), tokenizer=load_tokenizer(), enable_prefix_caching=True, **ENGINE)
+    body = {"model": MODEL, "prompt": list(range(100, 140)), "max_tokens": 2, "ignore_eos": True}
+    with running_server(engine) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
+        counts = []
+        for _ in range(2):
+            expect_status(http.post("/v1/completions", json=body))
+            values = wait_until_idle(http)
+            counts.append((values["minivllm_prefix_cache_queries_total"], values["minivllm_prefix_cache_hits_total"]))
+    assert counts == [(40, 0), (80, 32)]

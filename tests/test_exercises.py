@@ -51,8 +51,11 @@ CONTRACTS = {
     "gather_kv": ["[context_len, Hkv, D]", "[num_blocks, block_size, Hkv, D]", "padded with -1"],
     "BlockManager.grow": ["blocks_for(num_tokens)", 'RuntimeError("out of KV blocks', "change nothing"],
     "Scheduler.schedule": ["max_num_batched_tokens", "self.preempt", "out.preempted", "max_num_seqs",
-                           "one block per running request", "out.add(seq, n)"],
-    "filter_logits": ["[S, V]", "-inf", "softmax over the kept", "always stays", "left unchanged"],
+                           "one block per running request", "admitted earlier in this same step", "no one overtakes",
+                           "only if nothing was preempted", "its blocks for those tokens only", "out.add(seq, n)",
+                           "return out"],
+    "filter_logits": ["[S, V]", "-inf", "softmax over the kept", "always stays", "left unchanged",
+                      "carries the running sum across top_p is kept", "equals the k-th largest stays"],
     "merge_partials": ["[..., P]", "[..., P, D]", "[..., D]", "-inf"],
     "bucket_for": ["ascending", ">= num_seqs", "ValueError"],
     "GraphRunner.prepare": ["self.static", "self.pad_block", "padding", "rewritten in place", "num_rows=size",
@@ -62,7 +65,8 @@ CONTRACTS = {
     "find_stop_string": ["None if none", "len(s) - 1", "listed first wins"],
     "block_hashes": ["len(token_ids) // block_size", "hash_block(", "partly filled last block has no hash"],
     "PrefixCachingBlockManager.longest_cached_prefix": ["first hash not in self.cached", "Reads only", "never a gap"],
-    "PrefixCachingBlockManager.release": ["young end of self.free", "last block first", "free + owned blocks = the pool"],
+    "PrefixCachingBlockManager.release": ["young end of self.free", "last block first", "free + owned blocks = the pool",
+                                          "`table` is empty"],
     "propose_ngram": ["most recent earlier occurrence", "token_ids[i+n : i+n+k]", "Returns []", "is not changed"],
     "rejection_sample": ["[S, K+1, V]", "uniforms[s, j] * q_j(d) < p_j(d)", "argmax(w / noise[s])", "-1 to the end",
                          "a prefix of the guesses"],
@@ -111,6 +115,36 @@ def test_the_student_copy_states_each_exercise_contract(qualname):
     assert not missing, f"{qualname}: the docstring does not state {missing}:\n{student_doc}"
     assert not re.search(r"\b(see|shown) below\b|\bbelow\)", flat), \
         f"{qualname}: the docstring points below, into code the stub removes:\n{student_doc}"
+
+
+def unreachable_after_a_stub(tree: ast.AST) -> list[str]:
+    """Statements that follow a stub's `raise NotImplementedError(...)` in the same block: a
+    student who finds them after the raise may delete them as dead code."""
+    found = []
+    for node in ast.walk(tree):
+        for block in (getattr(node, name, None) for name in ("body", "orelse", "finalbody")):
+            for i, statement in enumerate(block if isinstance(block, list) else []):
+                raised = statement.exc if isinstance(statement, ast.Raise) else None
+                if isinstance(raised, ast.Call) and getattr(raised.func, "id", None) == "NotImplementedError":
+                    found += [f"line {s.lineno}: {ast.unparse(s).splitlines()[0]}" for s in block[i + 1:]]
+    return found
+
+
+@pytest.mark.parametrize("path", sorted({ex.path for ex in EXERCISES}))
+def test_no_stub_is_followed_by_code_that_a_student_must_keep(path):
+    """In the student copy, the stub's raise is the last statement of its block: code the
+    function needs after the exercise belongs inside the solution region (and its docstring)
+    or before it."""
+    stubbed = stub_source((ROOT / path).read_text(), {ex.qualname: ex for ex in EXERCISES if ex.path == path}, path)
+    assert not unreachable_after_a_stub(ast.parse(stubbed)), \
+        f"{path}: in the student copy these lines follow a stub's raise: {unreachable_after_a_stub(ast.parse(stubbed))}"
+
+
+def test_unreachable_code_after_a_stub_is_found():
+    stubbed = stub_source(SAMPLE.replace("    return y\n    # END SOLUTION\n", "    # END SOLUTION\n    return y\n"),
+                          SAMPLE_EXERCISES)
+    assert unreachable_after_a_stub(ast.parse(stubbed)) == ["line 5: return y"]
+    assert unreachable_after_a_stub(ast.parse(stub_source(SAMPLE, SAMPLE_EXERCISES))) == []  # Pool.take's return None is reachable
 
 
 def test_registry_entries_are_well_formed():
@@ -252,3 +286,71 @@ def test_student_copy_of_one_chapter_keeps_the_others(tmp_path):
     masks = (copy / "minivllm/attention/masks.py").read_text()
     assert "Exercise ch04 block_diagonal_mask" in masks and "Exercise ch01" not in masks
     assert "# BEGIN SOLUTION" in masks  # chapter 1's solution is still there, markers included
+
+
+# ---- Each chapter's checks depend only on its own and earlier chapters' exercises ----
+
+CHAPTERS = sorted({ex.chapter for ex in EXERCISES})
+
+
+@pytest.fixture(scope="module")
+def classroom(tmp_path_factory):
+    """One copy of the repository, made once, whose exercise files each check rewrites: the
+    solutions of the chapters it keeps, the stubs of the others."""
+    copy = tmp_path_factory.mktemp("classroom") / "repo"
+    make_student_copy(copy, chapters=[])  # nothing stubbed yet
+    sources = {path: (copy / path).read_text() for path in {ex.path for ex in EXERCISES}}
+    return copy, sources
+
+
+def stub_from(copy, sources: dict[str, str], first: str) -> None:
+    """In the copy, stub every exercise of chapter `first` and later; keep the earlier solutions."""
+    for path, source in sources.items():
+        stubbed = {ex.qualname: ex for ex in EXERCISES if ex.path == path and ex.chapter >= first}
+        (copy / path).write_text(stub_source(source, stubbed, path))
+
+
+def check_outcomes(report) -> list[tuple[str, list[str], str | None]]:
+    """(test id, its chapters, the text of its failure or None) for every check a junit report holds."""
+    import xml.etree.ElementTree as ET
+
+    found = []
+    for case in ET.parse(report).iter("testcase"):
+        chapters = next((p.get("value", "").split() for p in case.iter("property") if p.get("name") == "chapters"), [])
+        failed = [f for f in case if f.tag in ("failure", "error")]
+        text = "\n".join((f.get("message") or "") + "\n" + (f.text or "") for f in failed) if failed else None
+        found.append((f"{case.get('classname')}::{case.get('name')}", chapters, text))
+    return found
+
+
+@solutions
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter):
+    """With `chapter` and every later chapter stubbed (earlier ones solved): the previous
+    chapter's checks all pass, so none of them needs a later exercise; and every check of
+    `chapter` that fails names one of this chapter's exercises. Run over every chapter, this is
+    the classroom's promise: `pytest -m chNN` fails only on chapter NN's stubs and earlier ones,
+    and says which. (Not every stub need be reached: chapter 4's stage stops on cu_seqlens
+    before it calls RaggedAttention.__call__.)"""
+    copy, sources = classroom
+    stub_from(copy, sources, chapter)
+    before = CHAPTERS[CHAPTERS.index(chapter) - 1] if chapter != CHAPTERS[0] else None
+    report = copy / f"report-{chapter}.xml"
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+    marker = f"{before} or {chapter}" if before else chapter
+    result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider",
+                             f"--junitxml={report}"], cwd=copy, env=env, capture_output=True, text=True, timeout=1100)
+    outcomes = check_outcomes(report) if report.is_file() else []
+    assert outcomes, f"no checks ran for -m '{marker}':\n{(result.stdout + result.stderr)[-3000:]}"
+    broken = [(test, text) for test, chapters, text in outcomes if before in chapters and text is not None]
+    assert not broken, (f"{len(broken)} {before} checks fail while {chapter} and later chapters are stubs (they must "
+                        "depend only on chapters up to theirs); the first:\n"
+                        + "\n\n".join(f"{test}\n{text[:1500]}" for test, text in broken[:3]))
+    mine = [ex for ex in EXERCISES if ex.chapter == chapter]
+    unnamed = [(test, text) for test, chapters, text in outcomes
+               if text is not None and not any(f"Exercise {ex.label}:" in text for ex in mine)]
+    assert not unnamed, (f"{len(unnamed)} {chapter} checks fail without naming one of the chapter's exercises "
+                         f"({', '.join(ex.qualname for ex in mine)}); the first:\n"
+                         + "\n\n".join(f"{test}\n{text[:1500]}" for test, text in unnamed[:3]))

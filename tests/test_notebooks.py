@@ -65,6 +65,8 @@ def test_engine_steps_are_drawn_as_bars():
 
 @pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
 def test_committed_notebook_is_executed_and_clean(path):
+    nbformat = pytest.importorskip("nbformat")
+    nbformat.validate(nbformat.reads(path.read_text(), as_version=4))  # e.g. no outputs on a markdown cell
     nb = read(path)
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert all(c.get("execution_count") for c in code), f"{path.name}: commit it executed (outputs kept)"

@@ -105,6 +105,9 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt: list[
                 if data == line or data == "[DONE]":  # blank separator lines, or the end
                     continue
                 chunk = json.loads(data)
+                if chunk.get("error"):  # the server failed after the stream began: it says why
+                    result.error = f"server error: {chunk['error'].get('message')}"
+                    return
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 elif chunk["choices"]:  # one chunk per engine step that gave this request tokens

@@ -193,9 +193,10 @@ def profile_steps(
     engine: an idle LLMEngine or LLM, or a model (a Decoder or anything load_model accepts,
     None for the embedded one) to build an LLMEngine from, with `engine_options` (say
     `**VARIANTS["graphs"]`; the KV pool is sized to these requests unless num_kv_blocks is
-    given). The requests (random token ids, prompts within 10% of `context`, greedy, EOS
-    ignored) are added, stepped until every one is decoding, stepped `warmup` more times, and
-    then profiled; they are aborted afterwards. label_layers marks each decoder layer's forward
+    given; prefix caching, chapter 11's, is off unless asked for: this is chapter 9's engine).
+    The requests (random token ids, prompts within 10% of `context`, greedy, EOS ignored) are
+    added, stepped until every one is decoding, stepped `warmup` more times, and then
+    profiled; they are aborted afterwards. label_layers marks each decoder layer's forward
     as a profiler range ("layer N"), which costs the host a few microseconds per layer."""
     for name, value, minimum in (("batch_size", batch_size, 1), ("context", context, 10), ("steps", steps, 1),
                                  ("warmup", warmup, 0)):
@@ -214,7 +215,8 @@ def profile_steps(
     longest_prompt = context + context // 10
     max_tokens = warmup + 2 * steps + 3 + -(-batch_size * longest_prompt // budget)
     if not isinstance(engine, LLMEngine):
-        engine = LLMEngine(engine, **_sized_pool(engine_options, batch_size, longest_prompt + max_tokens))
+        options = {"enable_prefix_caching": False} | engine_options
+        engine = LLMEngine(engine, **_sized_pool(options, batch_size, longest_prompt + max_tokens))
     if longest_prompt + max_tokens > engine.max_model_len:
         raise ValueError(f"context {context} (prompts up to {longest_prompt}) plus {max_tokens} tokens to generate "
                          f"does not fit max_model_len={engine.max_model_len}")

@@ -216,13 +216,14 @@ class PrefixCachingBlockManager(BlockManager):
         young end of self.free, keeping its content (it stays in self.cached until evicted).
         Blocks are let go last block first, so a request's tail is evicted before its prefix,
         which other requests are likelier to share. Invariant afterwards: every block's count
-        equals the number of live tables holding it, and free + owned blocks = the pool."""
+        equals the number of live tables holding it, free + owned blocks = the pool, and
+        `table` is empty."""
+        self.owners.pop(id(table), None)  # the table's bookkeeping for grow (not the exercise)
+        self.pending_hits.pop(id(table), None)  # looked up, never admitted: nothing to count
         # BEGIN SOLUTION
         for block in reversed(table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free.append(block)
-        # END SOLUTION
-        self.owners.pop(id(table), None)
-        self.pending_hits.pop(id(table), None)  # looked up, never admitted: nothing to count
         table.clear()
+        # END SOLUTION

@@ -46,18 +46,22 @@ from minivllm.engine.sequence import Sequence
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep, in each row, the top_k largest logits (0 or -1 = all) and then the smallest set of
     the most likely tokens whose probabilities add up to at least top_p, probabilities taken
-    from the softmax over the kept top_k; the rest become -inf. The most likely token always
-    stays, and a row with top_k <= 0 and top_p = 1 is left unchanged (even where the float
-    sum of its probabilities reaches 1 before its least likely tokens).
+    from the softmax over the kept top_k; the rest become -inf, the kept logits stay as they
+    were. So the token whose probability carries the running sum across top_p is kept. The
+    most likely token always stays, and a row with top_k <= 0 and top_p = 1 is left unchanged
+    (even where the float sum of its probabilities reaches 1 before its least likely tokens).
+    Ties: every token whose logit equals the k-th largest stays, so a row may keep more than
+    top_k tokens (as in vLLM); among tokens of equal probability where the sum crosses top_p,
+    which of them stay is not specified.
 
     logits: [S, V] (already divided by the temperature); top_k: [S] int; top_p: [S] float.
     Returns [S, V].
     """
     # BEGIN SOLUTION
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
-    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    k = torch.where(top_k > 0, top_k.clamp(max=logits.shape[-1]), logits.shape[-1])[:, None]
+    kth_largest = sorted_logits.gather(-1, k - 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))  # ties with it stay
     probs = sorted_logits.softmax(dim=-1)
     # A token is cut when the tokens ranked above it already reach top_p (the top one never is).
     mass_before = probs.cumsum(dim=-1) - probs

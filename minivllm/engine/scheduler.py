@@ -70,16 +70,23 @@ class Scheduler:
            do not fit, preempt the newest running request (self.preempt(self.running[-1]), and
            append it to out.preempted); if that was the request itself, stop walking.
         2. Then, only if nothing was preempted this step, admit self.waiting in arrival order
-           while budget is left and fewer than self.max_num_seqs run. The head of the queue
-           first takes the cached blocks of its prefix, if any (seq.num_computed_tokens =
-           block_manager.reuse_prefix(seq); always 0 before chapter 11). It comes in only if
-           the free blocks then cover its whole num_tokens plus one block per running request
-           (else it gives those blocks back with block_manager.release, num_computed_tokens
-           returns to 0, and nobody comes in: no one overtakes it); it gets as many of its
-           tokens as the budget allows, its blocks for them, status Status.RUNNING, and joins
-           the end of self.running (popped from self.waiting).
-        Record every grant with out.add(seq, n), n >= 1. A step that preempts nothing must grant
-        some token while requests are unfinished, or the engine would wait forever."""
+           while budget is left and fewer than self.max_num_seqs run. (Memory is short after a
+           preemption, and the preempted request is first in line: with blocks shared by a
+           prefix cache, chapter 11, it could otherwise come straight back in the step that
+           preempted it.) The head of the queue first takes the cached blocks of its prefix,
+           if any (seq.num_computed_tokens = block_manager.reuse_prefix(seq); always 0 before
+           chapter 11). It comes in only if the free blocks then cover its whole num_tokens
+           plus one block per running request, counting those admitted earlier in this same
+           step; else it gives those blocks back with block_manager.release,
+           num_computed_tokens returns to 0, and nobody comes in this step: no one overtakes
+           it. (Such a head waits until running requests finish; with nothing running it
+           always fits, because the engine refuses, in add_request, a request that could need
+           more blocks than the pool holds.) It gets as many of its tokens as the budget
+           allows, its blocks for those tokens only, status Status.RUNNING, and joins the end
+           of self.running (popped from self.waiting).
+        Record every grant with out.add(seq, n), n >= 1, and return out. A step that preempts
+        nothing must grant some token while requests are unfinished, or the engine would wait
+        forever."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # BEGIN SOLUTION
@@ -116,8 +123,8 @@ class Scheduler:
             self.running.append(seq)
             out.add(seq, n)
             budget -= n
-        # END SOLUTION
         return out
+        # END SOLUTION
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute-preemption: free the KV cache of a running request and requeue it first."""

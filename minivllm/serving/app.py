@@ -13,11 +13,16 @@ the others. Bad input is answered with OpenAI's error body and a 4xx before the 
 reaches the engine (or, for what only the engine can judge, as soon as it refuses). Like vLLM's
 server, this one tokenizes the prompts itself, so that it can refuse a max_tokens the context
 cannot hold (400, never a silent cap) before queueing anything, and hands the engine token ids.
-With an API key (`api_key`), every /v1 route wants it (auth.py).
+With an API key (`api_key`), every /v1 route wants it (auth.py). A failure inside the server is
+a 500 with the same body, whose message says what raised (in a student copy, the exercise whose
+stub it was); once a streamed answer has begun, its status is already sent, so the error comes as
+one last event, `data: {"error": ...}`, before `data: [DONE]` (as vLLM does; the openai client
+raises it as an APIError).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,18 +40,28 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.machine import environment
-from minivllm.serving.async_engine import AsyncEngine, EngineDead, Overloaded, RequestStream, merge
+from minivllm.serving.async_engine import AsyncEngine, EngineDead, EngineFailed, Overloaded, RequestStream, merge
 from minivllm.serving.auth import APIKeyMiddleware, check_api_key
 from minivllm.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Echo, chat_response,
                                        check_max_tokens, completion_response, error_body, prompt_only)
-from minivllm.serving.sse import Chunks, stream_events
+from minivllm.serving.sse import DONE, Chunks, sse, stream_events
 
 T = TypeVar("T")
 MAX_LOGPROBS = 20  # vLLM's default cap on the alternatives per token a request may ask for
+log = logging.getLogger("minivllm.serving")
 
 
 class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
+
+
+def server_error(err: Exception) -> APIError:
+    """What the client is told when something failed inside the server: a 500 naming it, or a
+    503 while the server shuts down."""
+    if isinstance(err, EngineDead) and not isinstance(err, EngineFailed):
+        return APIError(503, str(err), kind="engine_unavailable")
+    message = str(err) if isinstance(err, EngineFailed) else f"{type(err).__name__}: {err}"
+    return APIError(500, message, kind="internal_server_error")
 
 
 def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static_batch_size: int | None = None,
@@ -79,6 +94,12 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, err: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the client is gone
+
+    @app.exception_handler(Exception)
+    async def failure(request: Request, err: Exception) -> JSONResponse:
+        """Anything a route did not expect: a 500 that says what raised (the server still logs
+        the traceback)."""
+        return await api_error(request, server_error(err))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -133,7 +154,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
         if isinstance(err, Overloaded):
             raise APIError(503, str(err), kind="server_overloaded")
         if isinstance(err, EngineDead):
-            raise APIError(503, str(err), kind="engine_unavailable")
+            raise server_error(err)
         raise err
 
     async def answer(streams: list[RequestStream], chunks: Chunks, include_usage: bool, streaming: bool,
@@ -153,15 +174,24 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
             for stream in streams:
                 async_engine.abort(stream.request_id)
             raise
+        except EngineDead as err:
+            raise server_error(err)
         return JSONResponse(respond([shown(output) for output in outputs]))
 
     async def abort_if_left(streams: list[RequestStream], events: AsyncIterator[str]) -> AsyncIterator[str]:
         """Relay the events; if the client disconnects first, Starlette cancels this generator
         at its current `await`, and the `finally` aborts the requests still running (their KV
-        blocks are freed before the engine's next step)."""
+        blocks are freed before the engine's next step). If making an event fails, the stream
+        ends with an error event: the 200 and the events before it are already on their way."""
         try:
             async for event in events:
                 yield event
+        except Exception as err:  # not a disconnect: that cancels, which is no Exception
+            if not isinstance(err, EngineDead):  # (the engine thread logged its own failure)
+                log.exception("a streamed answer failed")
+            error = server_error(err)
+            yield sse(error_body(error.message, error.kind))
+            yield DONE
         finally:
             for stream in streams:
                 if not stream.done:
@@ -209,7 +239,8 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
     async def health() -> Response:
         if async_engine.alive:
             return Response(status_code=200)
-        return JSONResponse(error_body(f"the engine is not running ({async_engine.error!r})", "engine_unavailable"), 503)
+        reason = f"{type(async_engine.error).__name__}: {async_engine.error}" if async_engine.error else "stopped"
+        return JSONResponse(error_body(f"the engine is not running ({reason})", "engine_unavailable"), 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -46,7 +46,16 @@ class Overloaded(Exception):
 
 
 class EngineDead(RuntimeError):
-    """The engine thread stopped (a failed step, or the server shutting down)."""
+    """The engine thread stopped: the server is shutting down (a 503: try again later)."""
+
+
+class EngineFailed(EngineDead):
+    """An engine step raised, so the engine thread stopped serving (a 500). Every request in
+    flight and every later one is told what the step raised: in a student copy, the exercise
+    whose stub it was."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"an engine step failed, so the engine stopped: {type(error).__name__}: {error}")
 
 
 class RequestStream:
@@ -164,10 +173,13 @@ class AsyncEngine:
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; returns its stream once the engine has taken it. Raises ValueError
-        if the engine refuses it, Overloaded if too many are waiting, EngineDead if the engine
-        is gone. In static mode the engine takes it when its batch starts."""
+        if the engine refuses it, Overloaded if too many are waiting, EngineFailed if a step
+        failed, EngineDead if the engine stopped. In static mode the engine takes it when its
+        batch starts."""
+        if self.error is not None:
+            raise EngineFailed(self.error)
         if not self.alive:
-            raise EngineDead(f"the engine is not running ({self.error!r})")
+            raise EngineDead("the engine is not running")
         stream = RequestStream(request_id)
         accepted = self._loop.create_future()
         self._inbox.put(partial(self._accept, _Request(request_id, prompt, params, time.perf_counter(), stream, accepted)))
@@ -197,7 +209,7 @@ class AsyncEngine:
             except Exception as err:  # a failed step: every request is told, the server reports unhealthy
                 log.exception("engine step failed")
                 self.error = err
-                self._fail_everyone(err)
+                self._fail_everyone(EngineFailed(err))
         self._fail_everyone(EngineDead("the server is shutting down"))
 
     def _has_work(self) -> bool:
@@ -221,7 +233,7 @@ class AsyncEngine:
 
     def _accept(self, request: _Request) -> None:
         if self.error is not None:
-            return self._settle(request.accepted, EngineDead(f"the engine failed: {self.error!r}"))
+            return self._settle(request.accepted, EngineFailed(self.error))
         waiting = len(self.engine.scheduler.waiting) + len(self._batch_queue)
         if waiting >= self.max_waiting:
             return self._settle(request.accepted, Overloaded(f"{waiting} requests are already waiting "
