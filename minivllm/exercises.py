@@ -43,12 +43,13 @@ NOTEBOOKS = {
     "ch09": "notebooks/09_cuda_graphs.ipynb",
     "ch10": "notebooks/10_serving.ipynb",
     "ch11": "notebooks/11_prefix_caching.ipynb",
+    "ch13": "notebooks/13_structured_outputs.ipynb",
 }
 
 
 @dataclass(frozen=True)
 class Exercise:
-    chapter: str  # "ch01" .. "ch11": also the pytest marker that selects its checks
+    chapter: str  # "ch01" .. "ch13": also the pytest marker that selects its checks
     module: str  # where the solution region is, e.g. "minivllm.attention.masks"
     qualname: str  # the function holding it, e.g. "causal_mask" or "BlockManager.grow"
     section: str  # the heading of the notebook section that explains it
@@ -125,6 +126,11 @@ EXERCISES: list[Exercise] = [
     Exercise("ch11", "minivllm.engine.prefix_cache", "PrefixCachingBlockManager.release",
              "Exercise 11.3: reference-counted release",
              "let go of a table's blocks: a block is free only when its last owner lets go"),
+    Exercise("ch13", "minivllm.engine.structured_outputs.bitmask", "apply_token_bitmask",
+             "Exercise 13.1: applying a bitmask", "unpack each row's int32 bitmask words and set the forbidden logits to -inf"),
+    Exercise("ch13", "minivllm.engine.structured_outputs.matcher", "advance_matcher",
+             "Exercise 13.2: advancing a matcher",
+             "accept a step's tokens in order, all or nothing: roll back and raise if the grammar refuses one"),
 ]
 
 
@@ -293,7 +299,7 @@ def make_student_copy(dest: Path | str, chapters: Iterable[str] | None = None, r
     wanted = set(chapters) if chapters is not None else {ex.chapter for ex in exercises}
     unknown = wanted - set(NOTEBOOKS)
     if unknown:
-        raise ValueError(f"unknown chapters {sorted(unknown)}; use ch01 .. ch11")
+        raise ValueError(f"unknown chapters {sorted(unknown)}; use {', '.join(NOTEBOOKS)}")
     chosen = [ex for ex in exercises if ex.chapter in wanted]
     per_file: dict[str, dict[str, Exercise]] = {}
     for ex in chosen:

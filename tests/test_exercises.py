@@ -62,6 +62,10 @@ CONTRACTS = {
     "block_hashes": ["len(token_ids) // block_size", "hash_block(", "partly filled last block has no hash"],
     "PrefixCachingBlockManager.longest_cached_prefix": ["first hash not in self.cached", "Reads only", "never a gap"],
     "PrefixCachingBlockManager.release": ["young end of self.free", "last block first", "free + owned blocks = the pool"],
+    "apply_token_bitmask": ["[S, V]", "[R, W] torch.int32", "ceil(V / 32)", "-inf", "least significant bit first",
+                            "stay untouched", "bits past V are ignored"],
+    "advance_matcher": ["all or nothing", "matcher.rollback(k)", "is_terminated", "ValueError", "never half-advanced",
+                        "[] changes nothing"],
 }
 
 
