@@ -29,7 +29,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(device=args.device, dtype=dtype_argument(args), block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention,
-                cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching)
+                cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching,
+                disable_any_whitespace=args.disable_any_whitespace)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -92,6 +93,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as vLLM's flag)")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="share the KV blocks of common prefixes (default: on, as in vLLM)")
+    serve.add_argument("--disable-any-whitespace", action=argparse.BooleanOptionalAction, default=None,
+                       help="JSON constraints (response_format, structured_outputs) without free whitespace, unless "
+                            "a request says otherwise (default: on; vLLM's default is off)")
     serve.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     serve.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
                        help="static: batches of --static-batch-size that run until their longest request is done")
