@@ -292,6 +292,14 @@ def test_a_model_without_a_tokenizer_is_refused(embedded):
     assert not engine.has_unfinished_requests()
 
 
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(qwen3_model, tokenizer):
+    """The tiny models' vocabulary is 97 tokens: a grammar over 4,096 could allow ids it has no logit for."""
+    engine = LLMEngine(qwen3_model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="more than the model's vocabulary of 97"):
+        engine.add_request([5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+    assert not engine.has_unfinished_requests()
+
+
 def test_without_xgrammar_a_constraint_is_refused_and_the_rest_is_served(embedded, tokenizer, monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises ImportError
     llm = LLM(embedded, tokenizer=tokenizer)

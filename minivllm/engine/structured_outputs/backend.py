@@ -74,16 +74,15 @@ def unenforced_keyword(schema: Any, where: str = "schema") -> str | None:
         return f"{where}.multipleOf (only integers' multipleOf is enforced)"
     if "format" in schema and schema["format"] not in FORMATS:
         return f"{where}.format {schema['format']!r} (known formats: {', '.join(sorted(FORMATS))})"
-    found = None
+    subschemas = []  # (where, subschema)
     for key in SCHEMA_MAPS:
-        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
-            found = found or unenforced_keyword(sub, f"{where}.{key}.{name}")
+        if isinstance(schema.get(key), dict):
+            subschemas += [(f"{where}.{key}.{name}", sub) for name, sub in schema[key].items()]
     for key in SCHEMA_LISTS:
-        for i, sub in enumerate(schema.get(key) or []) if isinstance(schema.get(key), list) else ():
-            found = found or unenforced_keyword(sub, f"{where}.{key}[{i}]")
-    for key in SCHEMA_VALUES:
-        found = found or unenforced_keyword(schema.get(key), f"{where}.{key}")
-    return found
+        if isinstance(schema.get(key), list):
+            subschemas += [(f"{where}.{key}[{i}]", sub) for i, sub in enumerate(schema[key])]
+    subschemas += [(f"{where}.{key}", schema[key]) for key in SCHEMA_VALUES if key in schema]
+    return next(filter(None, (unenforced_keyword(sub, path) for path, sub in subschemas)), None)
 
 
 def xgrammar_message(err: Exception) -> str:
@@ -156,5 +155,6 @@ class XgrammarBackend:
         return future
 
     def compile_grammar(self, grammar: Any) -> Any:
-        """Runs on the executor's thread: the costly part (xgrammar releases the GIL inside it)."""
+        """Runs on the executor's thread: the costly part, in xgrammar's C++ (the engine's thread
+        keeps stepping meanwhile)."""
         return self.compiler.compile_grammar(grammar)
