@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import openai
 import pytest
 
 from minivllm import LLM, LLMEngine, SamplingParams, StructuredOutputsParams, load_model, load_tokenizer
+from minivllm.engine.structured_outputs import backend
 from minivllm.serving import threaded
 
 pytestmark = pytest.mark.ch13
@@ -139,6 +142,33 @@ def test_bad_constraints_get_a_400_and_the_server_keeps_serving(client, endpoint
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body=extra)
     assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+def test_a_request_waiting_for_its_grammar_counts_as_waiting(model, tokenizer, monkeypatch):
+    """max_waiting=1: while one request's grammar compiles (held here), the next request is a 503."""
+    release = threading.Event()
+    compile_grammar = backend.XgrammarBackend.compile_grammar
+    monkeypatch.setattr(backend.XgrammarBackend, "compile_grammar",
+                        lambda self, grammar: release.wait(timeout=60) and compile_grammar(self, grammar))
+    engine = LLMEngine(model, tokenizer=tokenizer, **ENGINE)
+    with threaded.running_server(engine, MODEL, max_waiting=1) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+        answers = []
+        first = threading.Thread(target=lambda: answers.append(client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"structured_outputs": {"choice": ["on", "off"]}})))
+        first.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not engine.scheduler.waiting_for_grammar and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.scheduler.waiting_for_grammar, "the first request never reached the engine"
+            with pytest.raises(openai.APIStatusError) as info:
+                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+            assert info.value.status_code == 503
+        finally:
+            release.set()
+            first.join(TIMEOUT)
+        assert answers and answers[0].choices[0].text in ("on", "off")
 
 
 def test_serve_flag_sets_the_whitespace_default(tiny_checkpoint):
