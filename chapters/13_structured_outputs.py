@@ -5,7 +5,8 @@
 
 On a GPU (the Qwen3-0.6B shape, random weights, bf16; its grammars are built on the embedded
 tokenizer, whose 4,096 tokens are the first of the model's 151,936):
-    python chapters/13_structured_outputs.py --device cuda --model minivllm/configs/qwen3-0.6b.json --batch-sizes 1 4 16 64 256
+    python chapters/13_structured_outputs.py --device cuda --model minivllm/configs/qwen3-0.6b.json \
+        --batch-sizes 1 4 16 64 256
 
 - a sample: one prompt under a JSON schema and under a list of choices, and what each constraint
   costs to compile (once; a background thread does it while the batch keeps running);
@@ -119,8 +120,8 @@ def whitespace(model, llm: LLM, args) -> tuple[dict, plots.Figure]:
 def mask_cost(model, llm: LLM, args) -> tuple[list, plots.Figure]:
     with console.status(f"decode steps with and without the mask at batch sizes {args.batch_sizes} ..."):
         rows = structured.masking_cost(llm, args.batch_sizes, args.steps, args.repeats, args.seed)
-    table = Table(title=f"A decode step, median of {args.steps} steps × {args.repeats} interleaved repeats; the mask's "
-                        f"parts replayed along the constrained outputs")
+    table = Table(title=f"A decode step, median of {args.steps} steps × {args.repeats} interleaved repeats; "
+                        f"the mask's parts replayed along the constrained outputs")
     for column in ("batch", "no constraint", "under a JSON schema", "fill", "apply", "advance", "mask / step"):
         table.add_column(column, justify="right")
     for r in rows:

@@ -152,8 +152,8 @@ def test_greedy_equals_transformers_on_tiny_models(tiny_hf, tokenizer, kind, spe
     compiled = reference_grammar(tokenizer, 4096, kind, spec)
     prompt = tokenizer.encode(PROMPTS[1])
     expected, _ = masked_greedy(tiny_hf, compiled, prompt, 96)
-    out = LLM(tiny_hf, tokenizer=tokenizer, device="cpu").generate(
-        prompt, SamplingParams(temperature=0, max_tokens=96, structured_outputs=constraint), use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=96, structured_outputs=constraint)
+    out = LLM(tiny_hf, tokenizer=tokenizer, device="cpu").generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == expected
     assert out.finish_reason == "stop" and fits(constraint, out.text), out.text
 

@@ -143,7 +143,8 @@ def finish_rates(llm: LLM, prompts: list[str], schemas: dict[str, dict], max_tok
             finished = [(c, o) for c, o in zip(constraints, outs) if o.finish_reason == "stop"]
             result[f"{'no free' if disable else 'free'} whitespace, {mode}"] = dict(
                 disable_any_whitespace=disable, mode=mode, requests=len(outs), finished=len(finished),
-                fits=sum(fits(c, o.text) for c, o in finished), mean_tokens=statistics.mean(len(o.token_ids) for o in outs),
+                fits=sum(fits(c, o.text) for c, o in finished),
+                mean_tokens=statistics.mean(len(o.token_ids) for o in outs),
                 example=outs[0].text)
     return result
 

@@ -133,7 +133,9 @@ class EngineConfig:
         fused_ops = self.fused_ops if self.fused_ops is not None else (
             on_gpu and importlib.util.find_spec("triton") is not None)
         prefix_caching = PREFIX_CACHING_DEFAULT if self.enable_prefix_caching is None else self.enable_prefix_caching
-        no_whitespace = DISABLE_ANY_WHITESPACE_DEFAULT if self.disable_any_whitespace is None else self.disable_any_whitespace
+        no_whitespace = self.disable_any_whitespace
+        if no_whitespace is None:
+            no_whitespace = DISABLE_ANY_WHITESPACE_DEFAULT
         num_kv_blocks = self.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for_memory(model, self.block_size, self.max_num_seqs, max_model_len)

@@ -60,8 +60,9 @@ class LLMEngine:
         """model: a minivllm Decoder, or any source load_model accepts (device and dtype are
         used only when loading). The tokenizer comes with the checkpoint when there is one.
         The engine's settings (block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
-        max_model_len, attention, cuda_graphs, fused_ops, enable_prefix_caching, disable_any_whitespace) come as keywords
-        or as one EngineConfig, never both; see engine/config.py for what each one does."""
+        max_model_len, attention, cuda_graphs, fused_ops, enable_prefix_caching,
+        disable_any_whitespace) come as keywords or as one EngineConfig, never both; see
+        engine/config.py for what each one does."""
         if config is not None and settings:
             raise ValueError(f"pass the engine's settings as keywords or as config=EngineConfig(...), not both "
                              f"(got config and {', '.join(sorted(settings))})")

@@ -40,7 +40,8 @@ UNENFORCED = {
     "allOf": "every one of several schemas", "oneOf": "exactly one (it is enforced as anyOf: at least one)",
     "not": "not", "if": "if/then/else", "then": "if/then/else", "else": "if/then/else",
     "dependentRequired": "dependentRequired", "dependentSchemas": "dependentSchemas", "dependencies": "dependencies",
-    "propertyNames": "propertyNames", "maxProperties": "maxProperties", "unevaluatedProperties": "unevaluatedProperties",
+    "propertyNames": "propertyNames", "maxProperties": "maxProperties",
+    "unevaluatedProperties": "unevaluatedProperties",
     "uniqueItems": "uniqueItems", "contains": "contains", "minContains": "minContains", "maxContains": "maxContains",
     "unevaluatedItems": "unevaluatedItems", "minLength": "string lengths", "maxLength": "string lengths",
 }
