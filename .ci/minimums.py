@@ -12,7 +12,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-FLOORED = ("transformers", "triton")
+FLOORED = ("transformers", "triton", "xgrammar")
 
 project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
 floors = {}

@@ -32,7 +32,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention,
                 cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config, disable_any_whitespace=args.disable_any_whitespace)
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,6 +130,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="share the KV blocks of common prefixes (default: on, as in vLLM)")
     serve.add_argument("--speculative-config", type=json_object, default=None,
                        help='speculative decoding (chapter 12), as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    serve.add_argument("--disable-any-whitespace", action=argparse.BooleanOptionalAction, default=None,
+                       help="JSON constraints (response_format, structured_outputs) without free whitespace, unless "
+                            "a request says otherwise (default: on; vLLM's default is off)")
     serve.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     serve.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
                        help="static: batches of --static-batch-size that run until their longest request is done")

@@ -44,12 +44,13 @@ NOTEBOOKS = {
     "ch10": "notebooks/10_serving.ipynb",
     "ch11": "notebooks/11_prefix_caching.ipynb",
     "ch12": "notebooks/12_speculative_decoding.ipynb",
+    "ch13": "notebooks/13_structured_outputs.ipynb",
 }
 
 
 @dataclass(frozen=True)
 class Exercise:
-    chapter: str  # "ch01" .. "ch11": also the pytest marker that selects its checks
+    chapter: str  # "ch01" .. "ch13": also the pytest marker that selects its checks
     module: str  # where the solution region is, e.g. "minivllm.attention.masks"
     qualname: str  # the function holding it, e.g. "causal_mask" or "BlockManager.grow"
     section: str  # the heading of the notebook section that explains it
@@ -132,6 +133,12 @@ EXERCISES: list[Exercise] = [
              "keep a prefix of the guesses and draw one more token, exactly in the target's distribution"),
     Exercise("ch12", "minivllm.engine.spec_decode.rollback", "rollback", "Exercise 12.3: the rollback",
              "take back a verify step's rejected guesses: the computed count, and the blocks that held them"),
+    Exercise("ch13", "minivllm.engine.structured_outputs.bitmask", "apply_token_bitmask",
+             "Exercise 13.1: applying a bitmask",
+             "unpack each row's int32 bitmask words and set the forbidden logits to -inf"),
+    Exercise("ch13", "minivllm.engine.structured_outputs.matcher", "advance_matcher",
+             "Exercise 13.2: advancing a matcher",
+             "accept a step's tokens in order, all or nothing: roll back and raise if the grammar refuses one"),
 ]
 
 
@@ -300,7 +307,7 @@ def make_student_copy(dest: Path | str, chapters: Iterable[str] | None = None, r
     wanted = set(chapters) if chapters is not None else {ex.chapter for ex in exercises}
     unknown = wanted - set(NOTEBOOKS)
     if unknown:
-        raise ValueError(f"unknown chapters {sorted(unknown)}; use ch01 .. ch11")
+        raise ValueError(f"unknown chapters {sorted(unknown)}; use {', '.join(NOTEBOOKS)}")
     chosen = [ex for ex in exercises if ex.chapter in wanted]
     per_file: dict[str, dict[str, Exercise]] = {}
     for ex in chosen:

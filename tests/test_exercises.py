@@ -71,6 +71,10 @@ CONTRACTS = {
     "rejection_sample": ["[S, K+1, V]", "uniforms[s, j] * q_j(d) < p_j(d)", "argmax(w / noise[s])", "-1 to the end",
                          "a prefix of the guesses"],
     "rollback": ["num_spec_tokens", "has dropped by num_rejected", "block_manager.shrink", "ValueError"],
+    "apply_token_bitmask": ["[S, V]", "[R, W] torch.int32", "ceil(V / 32)", "-inf", "least significant bit first",
+                            "stay untouched", "bits past V are ignored"],
+    "advance_matcher": ["all or nothing", "matcher.rollback(k)", "is_terminated", "ValueError", "never half-advanced",
+                        "[] changes nothing"],
 }
 
 

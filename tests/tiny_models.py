@@ -33,9 +33,12 @@ CONFIGS = {
 }
 
 
-def tiny_hf_model(family: str, seed: int = 0) -> transformers.PreTrainedModel:
+def tiny_hf_model(family: str, seed: int = 0, vocab_size: int | None = None) -> transformers.PreTrainedModel:
+    """vocab_size: another vocabulary than the tiny 97 (4,096 fits the embedded model's tokenizer)."""
     torch.manual_seed(seed)
     config = CONFIGS[family]()
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     # transformers zero-initialises biases; random ones test that we load and add them.
     with torch.no_grad():

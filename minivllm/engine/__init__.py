@@ -8,6 +8,8 @@
     prepare.py          a step's inputs as flat arrays, in one copy to the device (chapter 9)
     model_runner.py     a schedule -> one forward pass -> logits; cuda_graphs.py replays decode steps
     sampler.py          logits -> tokens (penalties.py, logprobs.py: what requests may ask for)
+    structured_outputs/ chapter 13: outputs that fit a JSON schema, a regex, choices or a grammar
+                        (xgrammar's bitmask, applied first thing in the sampler)
     detokenizer.py      tokens -> text, and stop strings
     outputs.py          RequestOutput and CompletionOutput, as vLLM's
     trace.py            a record of every step, for the chapters' pictures

@@ -13,6 +13,7 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     fused_ops               on on a GPU with Triton                      9
     enable_prefix_caching   on, as in vLLM                               11
     speculative_config      off (None); a dict as vLLM's                 12
+    disable_any_whitespace  on: JSON constraints without free whitespace 13
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ from minivllm.model import Decoder
 # Chapter 11's prefix caching is on unless asked otherwise, as in vLLM. (The checks of chapters
 # 7-10 turn this default off, so that they test the engine as those chapters built it.)
 PREFIX_CACHING_DEFAULT = True
+# Chapter 13: JSON under a constraint is written without free whitespace unless a request asks
+# for it. vLLM's default is the other way round; measured on the embedded model, free whitespace
+# lets a small model write newlines until max_tokens (see README, chapter 13).
+DISABLE_ANY_WHITESPACE_DEFAULT = True
 GPU_KV_FRACTION = 0.8  # of the GPU memory still free once the model is loaded
 CPU_KV_BYTES = 256 * 2**20  # a fixed KV budget on CPU, where "free memory" means little
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -78,6 +83,7 @@ class EngineConfig:
     fused_ops: bool | None = None  # the token-wise work as fused Triton kernels
     enable_prefix_caching: bool | None = None  # share the KV blocks of common prefixes
     speculative_config: dict | SpeculativeConfig | None = None  # chapter 12: guess tokens, verify them in one pass
+    disable_any_whitespace: bool | None = None  # JSON constraints: no free whitespace (a request may say otherwise)
 
     def __post_init__(self) -> None:
         for name, minimum, allow_none in (("block_size", 1, False), ("num_kv_blocks", 1, True),
@@ -90,9 +96,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (automatic), got {value!r}")
-        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True, False or None (the default), "
-                             f"got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None (the default), got {value!r}")
         if self.speculative_config is not None:  # frozen: normalise the user's dict once, here
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
 
@@ -131,6 +138,9 @@ class EngineConfig:
         fused_ops = self.fused_ops if self.fused_ops is not None else (
             on_gpu and importlib.util.find_spec("triton") is not None)
         prefix_caching = PREFIX_CACHING_DEFAULT if self.enable_prefix_caching is None else self.enable_prefix_caching
+        no_whitespace = self.disable_any_whitespace
+        if no_whitespace is None:
+            no_whitespace = DISABLE_ANY_WHITESPACE_DEFAULT
         num_kv_blocks = self.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for_memory(model, self.block_size, self.max_num_seqs, max_model_len)
@@ -138,4 +148,5 @@ class EngineConfig:
             log.info("KV cache: %s blocks × %d tokens = %s tokens, %s MiB on %s", f"{num_kv_blocks:,}",
                      self.block_size, f"{num_kv_blocks * self.block_size:,}", f"{mib:,.0f}", model.device)
         return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, attention=attention,
-                                   cuda_graphs=cuda_graphs, fused_ops=fused_ops, enable_prefix_caching=prefix_caching)
+                                   cuda_graphs=cuda_graphs, fused_ops=fused_ops, enable_prefix_caching=prefix_caching,
+                                   disable_any_whitespace=no_whitespace)

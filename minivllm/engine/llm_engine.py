@@ -8,6 +8,11 @@ would call `step()` in its own loop and add requests as they arrive.
 
 A request for n completions (chapter 10) is a SequenceGroup of n sequences that the scheduler
 runs independently; the engine answers with one RequestOutput holding all n.
+
+A request with structured_outputs (chapter 13) has its constraint checked in add_request and
+compiled in the background (structured_outputs/); each of its sequences gets a matcher, which
+the sampler asks for a mask and the step advances with the sampled token. A grammar that has
+ended ends its request ("stop"), even with ignore_eos.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import itertools
 import numbers
 import time
 from collections.abc import Iterable
+from concurrent import futures
 from typing import Any
 
 import torch
@@ -32,6 +38,8 @@ from minivllm.engine.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence, SequenceGroup
 from minivllm.engine.spec_decode.speculator import Speculator
+from minivllm.engine.structured_outputs.backend import XgrammarBackend
+from minivllm.engine.structured_outputs.matcher import SequenceGrammar
 from minivllm.engine.trace import Trace
 from minivllm.loader import load_model, load_tokenizer
 from minivllm.model import Decoder
@@ -40,6 +48,7 @@ from minivllm.model import Decoder
 # planning, turning the plan into tensors, the model, choosing tokens, bookkeeping.
 STEP_PHASES = ("schedule", "prepare", "forward", "sample", "finish")
 AUTO_ID_PREFIX = "auto-"  # request ids the engine chooses; callers may not use it
+GRAMMAR_WAIT = 0.05  # seconds a step with nothing to run waits for a grammar to compile (then it returns)
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
 
 
@@ -51,8 +60,9 @@ class LLMEngine:
         """model: a minivllm Decoder, or any source load_model accepts (device and dtype are
         used only when loading). The tokenizer comes with the checkpoint when there is one.
         The engine's settings (block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
-        max_model_len, attention, cuda_graphs, fused_ops, enable_prefix_caching) come as keywords
-        or as one EngineConfig, never both; see engine/config.py for what each one does."""
+        max_model_len, attention, cuda_graphs, fused_ops, enable_prefix_caching,
+        disable_any_whitespace) come as keywords or as one EngineConfig, never both; see
+        engine/config.py for what each one does."""
         if config is not None and settings:
             raise ValueError(f"pass the engine's settings as keywords or as config=EngineConfig(...), not both "
                              f"(got config and {', '.join(sorted(settings))})")
@@ -73,6 +83,7 @@ class LLMEngine:
         self.sampler = Sampler()  # chooses the tokens; keeps penalised requests' token counts between steps
         self.speculator = (Speculator(config.speculative_config, self.model, config, self.sampler)
                            if config.speculative_config is not None else None)  # chapter 12
+        self.grammars: XgrammarBackend | None = None  # chapter 13: made at the first request with a constraint
         self.eos_token_ids = set(self.model.config.eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id (n completions each)
         self.trace: Trace | None = None  # set to Trace() to record every step
@@ -106,6 +117,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         self._check_params(params)
+        compiled = self._compile_constraint(params)  # chapter 13: None without structured_outputs
         group = SequenceGroup(request_id, text, token_ids, params,
                               prompt_logprobs=None if params.prompt_logprobs is None else [None])
         for i in range(params.n):
@@ -119,6 +131,8 @@ class LLMEngine:
                 seq.generator = torch.Generator(self.model.device).manual_seed((params.seed + i) % 2**64)
             if self.tokenizer is not None:
                 seq.text = StopChecker(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
+            if compiled is not None:  # one matcher per completion: each has its own place in the grammar
+                seq.grammar = SequenceGrammar(compiled)
             group.seqs.append(seq)
         needed = self.block_manager.blocks_for(group.seqs[0].max_total_tokens)
         if needed > self.block_manager.num_blocks:
@@ -179,6 +193,18 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none (stop_token_ids work without)")
 
+    def _compile_constraint(self, params: SamplingParams) -> futures.Future | None:
+        """Chapter 13: check the request's constraint now (ValueError) and start compiling it in
+        the background; None for a request without one."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need the model's tokenizer (a grammar is written in text), and this "
+                             "model has none")
+        if self.grammars is None:
+            self.grammars = XgrammarBackend(self.tokenizer, self.model.config.vocab_size, sorted(self.eos_token_ids))
+        return self.grammars.compile(params.structured_outputs, self.config.disable_any_whitespace)
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or several) now, all n of its completions, and free their blocks.
         Unknown or finished ids are ignored."""
@@ -204,11 +230,14 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.fit(schedule, self.scheduler.running, list(self.scheduler.waiting))
         if not schedule.seqs:
-            if self.scheduler.has_unfinished() and not schedule.preempted:
+            if (self.scheduler.waiting or self.scheduler.running) and not schedule.preempted:
                 raise RuntimeError(
                     f"Scheduler.schedule planned no tokens while {len(self.scheduler.waiting)} requests wait and "
                     f"{len(self.scheduler.running)} run, and preempted nobody: the engine would wait forever")
-            return []  # nothing queued, or a step that only preempted
+            compiling = {seq.grammar.compiled for seq in self.scheduler.waiting_for_grammar}
+            if compiling:  # chapter 13: nothing else to run; wait a little for a grammar, not forever
+                futures.wait(compiling, timeout=GRAMMAR_WAIT, return_when=futures.FIRST_COMPLETED)
+            return []  # nothing queued, a step that only preempted, or only grammars compiling
         record = self.trace.record(schedule, self.scheduler) if self.trace is not None else None
         rows, logits, prompt_logits = self.runner.run(schedule)  # the "prepare" and "forward" phases
         with record_function("sample"):
@@ -277,6 +306,9 @@ class LLMEngine:
         streamed = params.stop or params.output_kind is RequestOutputKind.CUMULATIVE
         for i, (token, top) in enumerate(zip(tokens, tops)):
             seq.append_token(token, self.eos_token_ids, now, None if top is None else self._logprob_dict(top))
+            ended = seq.grammar is not None and seq.grammar.advance([token])  # chapter 13
+            if ended and seq.finish_reason != "stop":  # the grammar has ended: so has the request
+                seq.finish_reason, seq.stop_reason = "stop", None
             last = i == len(tokens) - 1 or seq.finish_reason is not None
             if seq.text is not None and (params.stop or (last and (streamed or seq.finish_reason is not None))):
                 seq.update_text()  # may find a stop string and finish the sequence

@@ -1,11 +1,15 @@
 """Turn each sequence's logits into its next token (chapter 7), with vLLM's sampling options
 (chapter 10).
 
+First, chapter 13: the rows of requests with structured_outputs lose every token their grammar
+forbids (`structured_outputs.bitmask.constrain_logits`, in place), so everything below, the
+argmax included, only ever sees allowed tokens.
+
 A row that needs more than an argmax goes through these steps, each a small function below,
 in vLLM's order:
 
 1. logprobs: log_softmax of the *raw* logits, if the request asked (what the model said,
-   before anything below changed it; vLLM's default);
+   before anything below changed it, apart from a grammar's mask; vLLM's default);
 2. min_tokens: EOS and the stop tokens are made impossible until min_tokens are out;
 3. penalties: repetition (tokens of the prompt or the output), then frequency and presence
    (tokens of the output);
@@ -41,6 +45,7 @@ from minivllm.engine.logprobs import TopLogprobs, top_logprobs, unpack_logprobs
 from minivllm.engine.penalties import PenaltyCounts, apply_penalties
 from minivllm.engine.prepare import to_device
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.structured_outputs.bitmask import constrain_logits
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -136,6 +141,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> SamplerOutput:
         """logits [S, V]: row s is seqs[s]'s prediction of its next token."""
+        constrain_logits(logits, seqs)  # chapter 13: forbidden tokens -> -inf, in place
         tokens = logits.argmax(dim=-1)  # right for every row that is greedy and nothing else
         rows = [s for s, seq in enumerate(seqs)
                 if not seq.params.argmax_only or (seq.params.min_tokens and too_early_to_stop(seq))]

@@ -12,6 +12,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+from minivllm.engine.structured_outputs.params import StructuredOutputsParams
+
 # Temperatures below this are greedy (vLLM's threshold): dividing logits by 1e-30 overflows
 # to inf and the softmax of inf is NaN, while the distribution it stands for is the argmax.
 GREEDY_BELOW = 1e-5
@@ -84,6 +86,9 @@ class SamplingParams:
     logprobs: also report, for every output token, its log-probability and the top `logprobs`
     alternatives; prompt_logprobs: the same for the prompt's tokens (0: the token's own only).
     output_kind: see RequestOutputKind.
+    structured_outputs (chapter 13): a StructuredOutputsParams that the output must fit (a JSON
+    schema, a regex, a list of choices, a grammar); the grammar decides where the output may
+    end, so min_tokens must stay 0.
 
     Every field is checked when the params are made: a value of the wrong type (a float for
     an integer, a string for a number, None where None means nothing, a dict for a list) is a
@@ -108,6 +113,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Greedy, nothing changes the logits, nothing to report: the sampler's fast path (min_tokens
     # is checked per sequence: it stops mattering once min_tokens are out). Worked out once
     # here, because the sampler asks for every row of every step.
@@ -148,6 +154,14 @@ class SamplingParams:
         put("prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs, low=0, none=True))
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        # Chapter 13: the constraint itself was checked when it was made; here only how it fits the rest.
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__} {self.structured_outputs!r}")
+            if self.min_tokens:
+                raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: the "
+                                 f"grammar alone decides where the output may end")
         if self.greedy and self.n > 1:
             raise ValueError(f"n must be 1 when sampling greedily (the {self.n} completions would be identical)")
         put("argmax_only", self.greedy and not self.penalised and self.logprobs is None)

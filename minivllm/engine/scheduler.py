@@ -18,6 +18,10 @@ catch up with the first (the design of vLLM V1's scheduler):
    admit, recompute, preempt, every other step).
 
 Finished requests leave the batch the step they finish; new ones join the step they arrive.
+
+Chapter 13: a request whose grammar is still compiling waits *beside* the queue, in
+`waiting_for_grammar`, so nobody waits for it; once compiled it joins the queue at the place its
+arrival time gives it (`admit_compiled`, at the start of every schedule).
 """
 from __future__ import annotations
 
@@ -53,12 +57,25 @@ class Scheduler:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in the order they were admitted: the last is the newest
+        self.waiting_for_grammar: list[Sequence] = []  # chapter 13: not schedulable until compiled
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.grammar is not None and not seq.grammar.ready:  # chapter 13
+            self.waiting_for_grammar.append(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
+
+    def admit_compiled(self) -> None:
+        """Chapter 13: move the sequences whose grammar is compiled into the queue, each before
+        the first waiting sequence that arrived after it (first come, first served, as if its
+        grammar had been ready all along)."""
+        for seq in [s for s in self.waiting_for_grammar if s.grammar.ready]:
+            self.waiting_for_grammar.remove(seq)
+            later = (i for i, other in enumerate(self.waiting) if other.arrival_time > seq.arrival_time)
+            self.waiting.insert(next(later, len(self.waiting)), seq)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: which requests compute how many of their tokens, under the budget of
@@ -87,6 +104,7 @@ class Scheduler:
         Record every grant with out.add(seq, n), n >= 1, and return out. A step that preempts
         nothing must grant some token while requests are unfinished, or the engine would wait
         forever."""
+        self.admit_compiled()  # chapter 13
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # BEGIN SOLUTION
@@ -141,5 +159,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.waiting_for_grammar:  # chapter 13
+            self.waiting_for_grammar.remove(seq)
         self.block_manager.release(seq.block_table)
         seq.status = Status.FINISHED

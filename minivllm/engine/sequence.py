@@ -17,12 +17,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from minivllm.engine.detokenizer import StopChecker
 from minivllm.engine.outputs import Logprob
 from minivllm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # type hints only
+    from minivllm.engine.structured_outputs.matcher import SequenceGrammar
 
 
 class Status(enum.Enum):
@@ -61,6 +65,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = field(init=False)  # per output token, if asked for
     cumulative_logprob: float | None = field(init=False)
     text: StopChecker | None = None  # the output as text, for requests that need it while running
+    grammar: SequenceGrammar | None = None  # chapter 13: the grammar its output must fit, and its place in it
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

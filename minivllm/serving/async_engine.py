@@ -234,7 +234,8 @@ class AsyncEngine:
     def _accept(self, request: _Request) -> None:
         if self.error is not None:
             return self._settle(request.accepted, EngineFailed(self.error))
-        waiting = len(self.engine.scheduler.waiting) + len(self._batch_queue)
+        scheduler = self.engine.scheduler  # a request whose grammar compiles waits too (chapter 13)
+        waiting = len(scheduler.waiting) + len(scheduler.waiting_for_grammar) + len(self._batch_queue)
         if waiting >= self.max_waiting:
             return self._settle(request.accepted, Overloaded(f"{waiting} requests are already waiting "
                                                              f"(max_waiting={self.max_waiting}); try again later"))
@@ -291,7 +292,8 @@ class AsyncEngine:
     def _update_stats(self) -> None:
         """Read-only counts of the scheduler and block manager, for /metrics' gauges."""
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        self.metrics.engine_state(len(scheduler.running), len(scheduler.waiting) + len(self._batch_queue),
+        waiting = len(scheduler.waiting) + len(scheduler.waiting_for_grammar) + len(self._batch_queue)  # chapter 13
+        self.metrics.engine_state(len(scheduler.running), waiting,
                                   1 - blocks.num_free / blocks.num_blocks, blocks.queried_tokens, blocks.hit_tokens,
                                   None if self.engine.speculator is None else self.engine.speculator.stats)
 

@@ -14,6 +14,11 @@ becomes one engine request, and choice `prompt_index * n + completion_index` ans
 `echo`, each choice's text starts with its prompt and, with `logprobs`, so do its logprobs (the
 prompt's first token has none: nothing predicts it). `echo` with `max_tokens: 0` scores a prompt
 without generating, which is how lm-evaluation-harness asks for loglikelihoods.
+
+Chapter 13: OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
+"json_schema": {"name": ..., "schema": {...}}}) and vLLM's extra field `structured_outputs`
+({"json": ...}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}) become the request's
+StructuredOutputsParams, on both endpoints; at most one of the two per request.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from minivllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.structured_outputs import StructuredOutputsParams
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -63,6 +69,53 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # one more chunk before [DONE], with the token counts
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's named schema (`strict` is accepted: the grammar
+    is always strict)."""
+
+    model_config = STRICT
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # `schema` is a BaseModel method
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object", or "json_schema"."""
+
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('response_format needs "json_schema" exactly when its type is "json_schema"')
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema needs a schema")
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's extra field `structured_outputs`: StructuredOutputsParams over the wire."""
+
+    model_config = STRICT
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # `json` is a BaseModel method
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object,
+                                       disable_any_whitespace=self.disable_any_whitespace)
+
+
 class SamplingFields(BaseModel):
     """The sampling fields both endpoints share, with OpenAI's defaults."""
 
@@ -86,6 +139,9 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    # chapter 13: OpenAI's response_format, or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams arguments this request sets (the ones it leaves out keep the
@@ -95,7 +151,19 @@ class SamplingFields(BaseModel):
         kwargs = {name: getattr(self, name) for name in names if name in self.model_fields_set}
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        constraint = self.constraint()
+        if constraint is not None:
+            kwargs["structured_outputs"] = constraint
         return kwargs
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """Chapter 13: what response_format or structured_outputs asks the output to fit (a
+        ValueError for a malformed one, or for both at once)."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.type != "text":
+                raise ValueError("give response_format or structured_outputs, not both")
+            return self.structured_outputs.constraint()
+        return self.response_format.constraint() if self.response_format is not None else None
 
     @property
     def include_usage(self) -> bool:
