@@ -23,7 +23,8 @@ import pytest
 import torch
 import transformers
 
-from minivllm import DEFAULT_MODEL, LLM, LLMEngine, SamplingParams, StructuredOutputsParams, load_model, load_tokenizer
+from minivllm import (DEFAULT_MODEL, DRAFT_MODEL, LLM, LLMEngine, SamplingParams, StructuredOutputsParams, load_model,
+                      load_tokenizer)
 from minivllm.engine.structured_outputs import backend
 from minivllm.engine.structured_outputs.bitmask import apply_token_bitmask
 from minivllm.engine.structured_outputs.matcher import advance_matcher
@@ -499,3 +500,24 @@ def test_advance_matcher_rolls_back_when_the_grammar_refuses(choice_grammar, tok
     with pytest.raises(ValueError, match="index 0"):  # a terminated matcher accepts nothing
         advance_matcher(matcher, [tokens[0]])
     assert matcher.is_terminated()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("kind, spec, constraint", CASES[:2] + CASES[3:], ids=["json", "regex", "grammar"])
+def test_speculation_under_a_grammar_equals_transformers(embedded_hf, embedded, tokenizer, kind, spec, constraint,
+                                                         method):
+    """Chapter 12 with chapter 13: each verify row is masked as the grammar stands after the
+    guesses before it (speculator.mask_guesses), the matcher takes only the tokens appended.
+    Greedy tokens equal transformers' masked argmax, and sampled outputs still fit."""
+    speculative = ({"method": "ngram", "num_speculative_tokens": 4} if method == "ngram"
+                   else {"model": DRAFT_MODEL, "num_speculative_tokens": 4})
+    llm = LLM(embedded, tokenizer=tokenizer, speculative_config=speculative)
+    compiled = reference_grammar(tokenizer, embedded_hf.config.vocab_size, kind, spec)
+    prompt = tokenizer.encode(PROMPTS[0])
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=96, structured_outputs=constraint),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == masked_greedy(embedded_hf, compiled, prompt, 96)[0]
+    sampled = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=96, structured_outputs=constraint)
+    for completion in llm.generate(prompt, sampled, use_tqdm=False)[0].outputs:
+        assert completion.finish_reason == "length" or fits(constraint, completion.text), completion.text
+    assert llm.engine.speculator.stats.num_draft_tokens > 0, "nothing was guessed: speculation was not tested"

@@ -33,6 +33,7 @@ from minivllm.engine.spec_decode.draft_model import DraftModelProposer
 from minivllm.engine.spec_decode.ngram import NgramProposer
 from minivllm.engine.spec_decode.rejection import rejection_sample, target_probs
 from minivllm.engine.spec_decode.rollback import rollback
+from minivllm.engine.structured_outputs.bitmask import apply_token_bitmask, num_words
 from minivllm.model import Decoder
 
 
@@ -78,6 +79,34 @@ class Verified:
     token_ids: list[int]
     logprobs: list[TopLogprobs | None]
     num_guesses: int
+
+
+def mask_guesses(logits: torch.Tensor, seqs: list[Sequence], starts: list[int]) -> None:
+    """Chapter 13 under chapter 12: the verify rows of a sequence under a grammar lose, in place,
+    the tokens its grammar forbids at that row's place: row j's mask comes from the matcher after
+    it has taken guesses 1..j, and then the matcher goes back to where it was (its invariant:
+    it has accepted exactly the sequence's output tokens). Rows after a guess the grammar refuses
+    stay as they are: that guess has probability 0 in its own row, so it is rejected and they are
+    never used. starts[s]: the first of seqs[s]'s rows in logits."""
+    rows, masks = [], []
+    for seq, start in zip(seqs, starts):
+        if seq.grammar is None:
+            continue
+        matcher, guesses = seq.grammar.matcher, seq.token_ids[len(seq.token_ids) - seq.num_spec_tokens:]
+        bitmask = torch.empty(len(guesses) + 1, num_words(logits.shape[-1]), dtype=torch.int32)
+        taken = filled = 0
+        while not matcher.is_terminated():  # a grammar that has ended allows nothing: its rows are never used
+            matcher.fill_next_token_bitmask(bitmask, filled)
+            rows.append(start + filled)
+            filled += 1
+            if taken == len(guesses) or not matcher.accept_token(guesses[taken]):
+                break
+            taken += 1
+        masks.append(bitmask[:filled])
+        if taken:
+            matcher.rollback(taken)
+    if rows:
+        apply_token_bitmask(logits, torch.cat(masks), rows)
 
 
 def may_speculate(seq: Sequence) -> bool:
@@ -130,14 +159,16 @@ class Speculator:
         drafts = torch.full((S, K), -1, dtype=torch.long, device=device)
         q = None if not any(seq in self.draft_probs for seq in seqs) else torch.zeros(S, K, V, device=device)
         starts, start = [], 0
-        for s, seq in enumerate(seqs):
-            D = seq.num_spec_tokens
+        for seq in seqs:
             starts.append(start)
+            start += seq.num_spec_tokens + 1
+        mask_guesses(logits, seqs, starts)  # chapter 13: each row as its grammar allows it, after the guesses before it
+        for s, seq in enumerate(seqs):
+            D, start = seq.num_spec_tokens, starts[s]
             probs[s, :D + 1] = target_probs(logits[start:start + D + 1], seq.params)
             drafts[s, :D] = torch.tensor(seq.token_ids[-D:], device=device)
             if q is not None:  # a certain guess (greedy, or a lookup) is a one-hot q
                 q[s, :D] = self.draft_probs.get(seq, probs.new_zeros(D, V).scatter_(1, drafts[s, :D, None], 1.0))
-            start += D + 1
         generators, shared = [seq.generator for seq in seqs], self.sampler.shared_generator(device)
         uniforms = draw_rows(torch.empty(S, K, device=device), "uniform_", generators, shared)
         noise = draw_rows(torch.empty(S, V, device=device), "exponential_", generators, shared)
