@@ -12,6 +12,7 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     cuda_graphs             on with Triton attention on a GPU            9
     fused_ops               on on a GPU with Triton                      9
     enable_prefix_caching   on, as in vLLM                               11
+    tensor_parallel_size    (1: one process; never chosen for you)       14
 """
 from __future__ import annotations
 
@@ -75,11 +76,12 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # replay decode steps from CUDA graphs (CUDA only)
     fused_ops: bool | None = None  # the token-wise work as fused Triton kernels
     enable_prefix_caching: bool | None = None  # share the KV blocks of common prefixes
+    tensor_parallel_size: int = 1  # processes the model is split across (chapter 14)
 
     def __post_init__(self) -> None:
         for name, minimum, allow_none in (("block_size", 1, False), ("num_kv_blocks", 1, True),
                                           ("max_num_batched_tokens", 1, False), ("max_num_seqs", 1, False),
-                                          ("max_model_len", 2, True)):
+                                          ("max_model_len", 2, True), ("tensor_parallel_size", 1, False)):
             check_setting(name, getattr(self, name), minimum, allow_none)
         if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
@@ -110,6 +112,13 @@ class EngineConfig:
         if not 1 < max_model_len <= context:
             raise ValueError(f"max_model_len must be in [2, {context}] (the model's context), got {max_model_len}")
         on_gpu = model.device.type == "cuda"
+        if self.tensor_parallel_size > 1:  # chapter 14: the model must split evenly, one GPU per rank
+            from minivllm.distributed.shard import check_shardable
+
+            check_shardable(model.config, self.tensor_parallel_size)
+            if on_gpu and self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs one GPU per rank; "
+                                 f"this machine has {torch.cuda.device_count()}")
         attention = self.attention or default_attention(model.device)
         if self.cuda_graphs and not on_gpu:
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {model.device}")

@@ -173,6 +173,17 @@ class GraphRunner:
         return size, arrays, flat
         # END SOLUTION
 
+    def load(self, arrays: StepArrays) -> torch.Tensor:
+        """Put a decode step that another rank prepared (its arrays, already padded to a
+        bucket's rows) into this rank's static buffers, with the copies prepare() makes; returns
+        the part of self.static that holds it. Chapter 14: every rank replays the same graph."""
+        size = arrays.block_tables.shape[0]
+        packed = arrays.pack(tables=False)
+        flat = to_device(packed, self.static.device, out=self.static[:len(packed)])
+        self.host_tables[:size, :arrays.block_tables.shape[1]] = torch.from_numpy(arrays.block_tables)
+        self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+        return flat
+
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:
         """Replay the graph of batch size `size` on what prepare() put in the static buffer;
         the hidden states of the first num_seqs rows (the real ones) [num_seqs, hidden]."""
