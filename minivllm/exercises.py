@@ -43,6 +43,7 @@ NOTEBOOKS = {
     "ch09": "notebooks/09_cuda_graphs.ipynb",
     "ch10": "notebooks/10_serving.ipynb",
     "ch11": "notebooks/11_prefix_caching.ipynb",
+    "ch14": "notebooks/14_tensor_parallelism.ipynb",
 }
 
 
@@ -125,6 +126,13 @@ EXERCISES: list[Exercise] = [
     Exercise("ch11", "minivllm.engine.prefix_cache", "PrefixCachingBlockManager.release",
              "Exercise 11.3: reference-counted release",
              "let go of a table's blocks: a block is free only when its last owner lets go"),
+    Exercise("ch14", "minivllm.distributed.layers", "column_parallel", "Exercise 14.1: splitting a layer by columns",
+             "rank r's share of a linear layer's output features: a smaller nn.Linear"),
+    Exercise("ch14", "minivllm.distributed.layers", "row_parallel", "Exercise 14.2: splitting a layer by rows",
+             "rank r's share of a linear layer's input features, whose partial sums the all-reduce adds"),
+    Exercise("ch14", "minivllm.distributed.layers", "vocab_parallel_lookup",
+             "Exercise 14.3: the vocabulary-parallel embedding",
+             "look up only the tokens this rank holds, zeros for the others"),
 ]
 
 
@@ -293,7 +301,7 @@ def make_student_copy(dest: Path | str, chapters: Iterable[str] | None = None, r
     wanted = set(chapters) if chapters is not None else {ex.chapter for ex in exercises}
     unknown = wanted - set(NOTEBOOKS)
     if unknown:
-        raise ValueError(f"unknown chapters {sorted(unknown)}; use ch01 .. ch11")
+        raise ValueError(f"unknown chapters {sorted(unknown)}; use {', '.join(NOTEBOOKS)}")
     chosen = [ex for ex in exercises if ex.chapter in wanted]
     per_file: dict[str, dict[str, Exercise]] = {}
     for ex in chosen:

@@ -62,6 +62,12 @@ CONTRACTS = {
     "block_hashes": ["len(token_ids) // block_size", "hash_block(", "partly filled last block has no hash"],
     "PrefixCachingBlockManager.longest_cached_prefix": ["first hash not in self.cached", "Reads only", "never a gap"],
     "PrefixCachingBlockManager.release": ["young end of self.free", "last block first", "free + owned blocks = the pool"],
+    "column_parallel": ["nn.Linear(in_features, out_features // N)", "rows rank*k .. (rank+1)*k - 1", "new tensors",
+                        "Concatenated over the ranks", "ValueError"],
+    "row_parallel": ["nn.Linear(in_features // N, out_features)", "columns rank*k .. (rank+1)*k - 1",
+                     "rank 0's shard keeps a copy of it", "summed over the ranks", "ValueError"],
+    "vocab_parallel_lookup": ["[T, hidden]", "shard[input_ids[t] - start]", "zeros otherwise",
+                              "Never reads shard outside its rows", "Summed over the ranks"],
 }
 
 

@@ -133,8 +133,7 @@ def plot_tp_cost(grids: Sequence[dict[str, np.ndarray]], links: Sequence[Any], m
     for ax, grid, link in zip(axes.flat, grids, links):
         speedup = grid["speedup"]
         shown = np.ma.masked_invalid(np.log2(speedup))
-        cmap = plt.get_cmap("RdBu").copy()
-        cmap.set_bad("#e2e8f0")
+        cmap = plt.get_cmap("RdBu").with_extremes(bad="#e2e8f0")  # grey: does not fit
         image = ax.imshow(shown, cmap=cmap, norm=norm, aspect="auto")
         for i in range(speedup.shape[0]):
             for j in range(speedup.shape[1]):
