@@ -29,7 +29,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(device=args.device, dtype=dtype_argument(args), block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention,
-                cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching)
+                cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -51,8 +52,9 @@ def _serve(args: argparse.Namespace) -> None:
     static = args.static_batch_size if args.scheduler == "static" else None
     app = build_app(engine, name, max_waiting=args.max_waiting, static_batch_size=static)
     cfg, model = engine.model.config, engine.model
+    ranks = f" x {args.tensor_parallel_size} processes" if args.tensor_parallel_size > 1 else ""
     print(f"serving {name!r}: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, on "
-          f"{device_name(model.device)}, {str(model.dtype).removeprefix('torch.')}; {args.scheduler} scheduler"
+          f"{device_name(model.device)}{ranks}, {str(model.dtype).removeprefix('torch.')}; {args.scheduler} scheduler"
           + (f" (batches of {static})" if static else "") + f"; http://{args.host}:{args.port}/v1")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
@@ -92,6 +94,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as vLLM's flag)")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="share the KV blocks of common prefixes (default: on, as in vLLM)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="processes to split the model across (chapter 14); under torchrun, its world size")
     serve.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     serve.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
                        help="static: batches of --static-batch-size that run until their longest request is done")

@@ -345,12 +345,16 @@ def test_shapes_that_cannot_split_and_missing_gpus_are_refused(qwen3_model):
 
 
 def test_the_server_on_two_processes_answers_like_the_offline_engine():
-    model, tokenizer = load_model(device="cpu"), load_tokenizer()
+    """`minivllm serve --tensor-parallel-size 2`'s engine, served, against LLM.generate on one process."""
+    from minivllm.cli import build_parser, engine_options
+
     prompts = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    def push(self, item):\n        self.",
                "for i in range("]
-    expected = [o.outputs[0].text for o in LLM(model, tokenizer=tokenizer).generate(
+    expected = [o.outputs[0].text for o in LLM(load_model(device="cpu"), tokenizer=load_tokenizer()).generate(
         prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)]
-    with tensor_parallel(LLMEngine, model, tokenizer=tokenizer, tensor_parallel_size=2) as engine:
+    options = engine_options(build_parser().parse_args(["serve", "--device", "cpu", "--tensor-parallel-size", "2"]))
+    assert options["tensor_parallel_size"] == 2
+    with tensor_parallel(LLMEngine, None, **options) as engine:
         with threaded.running_server(engine, "tp") as (url, _):
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
             for prompt, text in zip(prompts, expected):
