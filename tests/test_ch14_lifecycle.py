@@ -94,22 +94,33 @@ if __name__ == "__main__":
 
 
 def lines_of(process: subprocess.Popen) -> queue.Queue:
-    """The process's stdout lines, read on a thread, so that waiting for one can be bounded."""
+    """The process's stdout lines, read on a thread, so that waiting for one can be bounded;
+    None when its output ends."""
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
     return lines
 
 
-def next_line(lines: queue.Queue, prefix: str, timeout: float = 240) -> str:
+def next_line(lines: queue.Queue, prefix: str, errors: Path, timeout: float = 240) -> str:
+    """The program's next stdout line that starts with `prefix`; a failure that quotes the end
+    of its stderr (file `errors`) if it ends or takes longer than `timeout` first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
         except queue.Empty:
             break
+        if line is None:
+            pytest.fail(f"the program ended before printing a {prefix!r} line:\n{errors.read_text()[-2000:]}")
         if line.startswith(prefix):
             return line
-    pytest.fail(f"the program printed no {prefix!r} line within {timeout} s")
+    pytest.fail(f"the program printed no {prefix!r} line within {timeout} s:\n{errors.read_text()[-2000:]}")
 
 
 @pytest.mark.parametrize("ending", ["exit", "ctrl-c", "sigkill"])
@@ -117,17 +128,19 @@ def test_no_worker_outlives_its_program(tmp_path, ending):
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(PROGRAM))
     # Its own process group, as a terminal gives a program: Ctrl-C signals the whole group, workers included.
-    program = subprocess.Popen([sys.executable, str(script), "exit" if ending == "exit" else "generate"], env=ENV,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    errors = tmp_path / "stderr.txt"
+    with errors.open("w") as stderr:
+        program = subprocess.Popen([sys.executable, str(script), "exit" if ending == "exit" else "generate"], env=ENV,
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
     try:
         lines = lines_of(program)
-        pids = [int(p) for p in next_line(lines, "PIDS").split()[1:]]
+        pids = [int(p) for p in next_line(lines, "PIDS", errors).split()[1:]]
         assert pids and all(running(pid) for pid in pids)
         if ending == "ctrl-c":
-            next_line(lines, "GENERATED")  # the engine is busy: Ctrl-C finds it inside a step or close to one
+            next_line(lines, "GENERATED", errors)  # the engine is busy: Ctrl-C finds it inside a step or close to one
             os.killpg(program.pid, signal.SIGINT)
         elif ending == "sigkill":
-            next_line(lines, "GENERATED")
+            next_line(lines, "GENERATED", errors)
             program.kill()  # no atexit, no finalizer: the workers must notice by themselves
         program.wait(timeout=120)
         assert gone(pids), f"{ending}: workers {pids} outlived their program"

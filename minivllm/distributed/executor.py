@@ -54,6 +54,13 @@ def describe_exit(rank: int, process: Any) -> str:
     return f"tensor-parallel worker {rank} (pid {process.pid}) {state}"
 
 
+def is_communication_error(error: BaseException) -> bool:
+    """Whether a collective failed (a rank gone, a timeout), rather than rank 0's own arithmetic.
+    gloo reports a closed connection as a plain RuntimeError that names its transport."""
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and ("gloo" in text or "nccl" in text))
+
+
 class Workers:
     """Rank 0's view of the other ranks: the processes it spawned (none under torchrun), the
     channel the step messages go through, and whether the group can still run a step. Kept
@@ -190,7 +197,7 @@ class TensorParallelRunner(ModelRunner):
         except BaseException as error:
             dead = self.workers.dead()
             self.shutdown()
-            if dead and not isinstance(error, KeyboardInterrupt):
+            if dead and is_communication_error(error):  # rank 0 lost a worker: say which, and how it ended
                 raise RuntimeError(f"tensor parallelism could not start: {dead}") from error
             raise
         self.group = group
@@ -224,8 +231,13 @@ class TensorParallelRunner(ModelRunner):
         try:
             self.group.channel.send(plan)
             out = super().execute(plan, flat)
-        except Exception as error:  # a collective failed: a rank is gone
-            raise self.workers.fail(error) from error
+        except Exception as error:
+            if not is_communication_error(error):
+                # Rank 0's own share failed (a bug, an exercise still a stub): that error, as it is. The
+                # other ranks wait inside the step for rank 0, so this group cannot run another one.
+                self.workers.failure = f"rank 0 failed inside a step ({type(error).__name__}: {error})"
+                raise
+            raise self.workers.fail(error) from error  # a collective failed: most likely a rank is gone
         self.workers.in_step = False
         return out
 
