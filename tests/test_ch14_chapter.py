@@ -48,7 +48,7 @@ def test_measured_communication_is_what_the_layers_call(payload):
     model = payload["environment"]["model"]
     layers, hidden, vocab = model["num_layers"], model["hidden_size"], model["vocab_size"]
     for row in payload["step_split"]["sizes"]:
-        n, steps = row["size"], row["steps"]
+        n = row["size"]
         assert row["tokens_computed"] == REQUESTS * (PROMPT + OUTPUT - 1), "no preemption, nothing cached"
         if n == 1:
             assert row["comm_bytes_total"] == 0 and row["comm_calls"] == 0
