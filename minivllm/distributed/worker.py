@@ -42,8 +42,9 @@ def share_config(group: RankGroup, config: EngineConfig | None = None) -> Engine
 
 
 def build_runner(model: Decoder, group: RankGroup, config: EngineConfig, graph_class: type) -> ModelRunner:
-    """This rank's shard of `model` and a ModelRunner over it. Every rank calls it at the same
-    time: capturing CUDA graphs runs the forward, whose all-reduces all ranks must join."""
+    """A worker's shard of `model` and a ModelRunner over it, built while rank 0 builds its own
+    the same way (TensorParallelRunner.__init__): capturing CUDA graphs runs the forward, whose
+    all-reduces every rank must join."""
     return ModelRunner(shard_decoder(model, group.comm, group.device), config, graph_class)
 
 
