@@ -32,7 +32,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention,
                 cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching,
-                speculative_config=args.speculative_config, disable_any_whitespace=args.disable_any_whitespace)
+                speculative_config=args.speculative_config, disable_any_whitespace=args.disable_any_whitespace,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,8 +76,9 @@ def _serve(args: argparse.Namespace) -> None:
     except ValueError as err:
         raise SystemExit(f"minivllm serve: {err}")
     cfg, model, static = engine.model.config, engine.model, options["static_batch_size"]
+    ranks = f" x {args.tensor_parallel_size} processes" if args.tensor_parallel_size > 1 else ""
     print(f"serving {name!r}: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, on "
-          f"{device_name(model.device)}, {str(model.dtype).removeprefix('torch.')}; {args.scheduler} scheduler"
+          f"{device_name(model.device)}{ranks}, {str(model.dtype).removeprefix('torch.')}; {args.scheduler} scheduler"
           + (f" (batches of {static})" if static else "") + f"; http://{args.host}:{args.port}/v1"
           + ("; /v1 wants the API key" if options["api_key"] else ""))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -133,6 +135,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--disable-any-whitespace", action=argparse.BooleanOptionalAction, default=None,
                        help="JSON constraints (response_format, structured_outputs) without free whitespace, unless "
                             "a request says otherwise (default: on; vLLM's default is off)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="processes to split the model across (chapter 14); under torchrun, its world size")
     serve.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     serve.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
                        help="static: batches of --static-batch-size that run until their longest request is done")

@@ -45,6 +45,7 @@ NOTEBOOKS = {
     "ch11": "notebooks/11_prefix_caching.ipynb",
     "ch12": "notebooks/12_speculative_decoding.ipynb",
     "ch13": "notebooks/13_structured_outputs.ipynb",
+    "ch14": "notebooks/14_tensor_parallelism.ipynb",
 }
 
 
@@ -139,6 +140,13 @@ EXERCISES: list[Exercise] = [
     Exercise("ch13", "minivllm.engine.structured_outputs.matcher", "advance_matcher",
              "Exercise 13.2: advancing a matcher",
              "accept a step's tokens in order, all or nothing: roll back and raise if the grammar refuses one"),
+    Exercise("ch14", "minivllm.distributed.layers", "column_parallel", "Exercise 14.1: splitting a layer by columns",
+             "rank r's share of a linear layer's output features: a smaller nn.Linear"),
+    Exercise("ch14", "minivllm.distributed.layers", "row_parallel", "Exercise 14.2: splitting a layer by rows",
+             "rank r's share of a linear layer's input features, whose partial sums the all-reduce adds"),
+    Exercise("ch14", "minivllm.distributed.layers", "vocab_parallel_lookup",
+             "Exercise 14.3: the vocabulary-parallel embedding",
+             "look up only the tokens this rank holds, zeros for the others"),
 ]
 
 

@@ -17,7 +17,7 @@ LAYERS = [
     {"attention"},
     {"model"},
     {"fused", "loader", "machine"},
-    {"engine"},
+    {"engine", "distributed"},  # chapter 14 drives the engine's model runner from beside it
     {"stages", "serving"},
     {"bench"},
     {"cli", "exercises"},

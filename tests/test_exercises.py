@@ -75,6 +75,12 @@ CONTRACTS = {
                             "stay untouched", "bits past V are ignored"],
     "advance_matcher": ["all or nothing", "matcher.rollback(k)", "is_terminated", "ValueError", "never half-advanced",
                         "[] changes nothing"],
+    "column_parallel": ["nn.Linear(in_features, out_features // N)", "rows rank*k .. (rank+1)*k - 1", "new tensors",
+                        "Concatenated over the ranks", "ValueError"],
+    "row_parallel": ["nn.Linear(in_features // N, out_features)", "columns rank*k .. (rank+1)*k - 1",
+                     "rank 0's shard keeps a copy of it", "summed over the ranks", "ValueError"],
+    "vocab_parallel_lookup": ["[T, hidden]", "shard[input_ids[t] - start]", "zeros otherwise",
+                              "Never reads shard outside its rows", "Summed over the ranks"],
 }
 
 

@@ -14,6 +14,7 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     enable_prefix_caching   on, as in vLLM                               11
     speculative_config      off (None); a dict as vLLM's                 12
     disable_any_whitespace  on: JSON constraints without free whitespace 13
+    tensor_parallel_size    (1: one process; never chosen for you)       14
 """
 from __future__ import annotations
 
@@ -84,11 +85,12 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None  # share the KV blocks of common prefixes
     speculative_config: dict | SpeculativeConfig | None = None  # chapter 12: guess tokens, verify them in one pass
     disable_any_whitespace: bool | None = None  # JSON constraints: no free whitespace (a request may say otherwise)
+    tensor_parallel_size: int = 1  # processes the model is split across (chapter 14)
 
     def __post_init__(self) -> None:
         for name, minimum, allow_none in (("block_size", 1, False), ("num_kv_blocks", 1, True),
                                           ("max_num_batched_tokens", 1, False), ("max_num_seqs", 1, False),
-                                          ("max_model_len", 2, True)):
+                                          ("max_model_len", 2, True), ("tensor_parallel_size", 1, False)):
             check_setting(name, getattr(self, name), minimum, allow_none)
         if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
@@ -122,6 +124,13 @@ class EngineConfig:
         if not 1 < max_model_len <= context:
             raise ValueError(f"max_model_len must be in [2, {context}] (the model's context), got {max_model_len}")
         on_gpu = model.device.type == "cuda"
+        if self.tensor_parallel_size > 1:  # chapter 14: the model must split evenly, one GPU per rank
+            from minivllm.distributed.shard import check_shardable
+
+            check_shardable(model.config, self.tensor_parallel_size)
+            if on_gpu and self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs one GPU per rank; "
+                                 f"this machine has {torch.cuda.device_count()}")
         attention = self.attention or default_attention(model.device)
         if self.cuda_graphs and not on_gpu:
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {model.device}")

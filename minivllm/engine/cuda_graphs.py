@@ -193,6 +193,16 @@ class GraphRunner:
         return size, arrays, flat
         # END SOLUTION
 
+    def load(self, arrays: StepArrays) -> torch.Tensor:
+        """Copy a decode step's arrays, already padded to a bucket's rows, into the static buffers
+        (prepare's copies; chapter 14's other ranks call it with the arrays rank 0 planned, so
+        every rank replays the same graph). Returns the part of self.static that holds them."""
+        packed = arrays.pack()
+        flat = to_device(packed, self.static.device, out=self.static[:len(packed)])
+        tables = arrays.unpack(flat)["block_tables"]  # [size, W]: W columns, not self.width
+        self.tables[:len(tables), :tables.shape[1]].copy_(tables)
+        return flat
+
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:
         """Replay the graph of batch size `size` on what prepare() put in the static buffer;
         the hidden states of the first num_seqs rows (the real ones) [num_seqs, hidden]."""

@@ -60,9 +60,9 @@ class LLMEngine:
         """model: a minivllm Decoder, or any source load_model accepts (device and dtype are
         used only when loading). The tokenizer comes with the checkpoint when there is one.
         The engine's settings (block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
-        max_model_len, attention, cuda_graphs, fused_ops, enable_prefix_caching,
-        disable_any_whitespace) come as keywords or as one EngineConfig, never both; see
-        engine/config.py for what each one does."""
+        max_model_len, attention, cuda_graphs, fused_ops, enable_prefix_caching, speculative_config,
+        disable_any_whitespace, tensor_parallel_size) come as keywords or as one EngineConfig, never
+        both; see engine/config.py for what each one does."""
         if config is not None and settings:
             raise ValueError(f"pass the engine's settings as keywords or as config=EngineConfig(...), not both "
                              f"(got config and {', '.join(sorted(settings))})")
@@ -79,7 +79,12 @@ class LLMEngine:
         manager = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
         self.block_manager = manager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, config)
+        if config.tensor_parallel_size > 1:  # chapter 14: rank 0's runner, which also drives the other ranks
+            from minivllm.distributed.executor import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(self.model, config)
+        else:
+            self.runner = ModelRunner(self.model, config)
         self.sampler = Sampler()  # chooses the tokens; keeps penalised requests' token counts between steps
         self.speculator = (Speculator(config.speculative_config, self.model, config, self.sampler)
                            if config.speculative_config is not None else None)  # chapter 12

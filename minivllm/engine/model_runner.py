@@ -10,10 +10,15 @@ stops mid-prompt has nothing to predict yet.
 Chapter 9 changes how, not what: the inputs are built with NumPy and reach the device in one
 non-blocking copy (prepare.py), decode steps can replay CUDA graphs (cuda_graphs.py), and the
 token-wise work can run as fused Triton kernels (fused/). Each sits behind a switch.
+
+Chapter 14 splits a step in two: `run` plans it on the host (a `StepPlan`: the step's arrays,
+nothing but numbers) and `execute` runs a plan on the device. Under tensor parallelism only
+rank 0 plans; the plan is the message the other ranks receive, and every rank executes it.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -22,9 +27,20 @@ from minivllm.attention import paged_attention_class
 from minivllm.attention.paged import KVPool
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.cuda_graphs import GraphRunner
-from minivllm.engine.prepare import build_step_arrays, device_step, to_device
+from minivllm.engine.prepare import StepArrays, build_step_arrays, device_step, to_device
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.model import Decoder
+
+
+@dataclass
+class StepPlan:
+    """One step as the model runs it, on the host: numbers only, nothing tied to a device or to
+    the scheduler's requests (chapter 14 sends it from rank 0 to the other ranks)."""
+
+    arrays: StepArrays  # the step's inputs; for a replay, padded to graph_size rows
+    num_seqs: int  # the step's real sequences (rows 0 .. num_seqs-1)
+    graph_size: int | None = None  # the batch-size bucket whose CUDA graph replays the step; None: eager
+    prompt_rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # sequence -> its rows, for prompt logprobs
 
 
 class ModelRunner:
@@ -64,25 +80,40 @@ class ModelRunner:
         replay = self.graphs is not None and self.graphs.can_run(num_new)
         with record_function("prepare"):
             if replay:  # padded to a captured batch size, in the graphs' static buffers
-                size, arrays, flat = self.graphs.prepare(seqs)
+                graph_size, arrays, flat = self.graphs.prepare(seqs)
+            else:
+                graph_size, arrays = None, build_step_arrays(seqs, num_new, self.pool.block_size)
+                flat = to_device(arrays.pack(), self.model.device)
+            prompt_rows = {i: (int(arrays.query_start[i]), int(arrays.query_start[i + 1]))
+                           for i, seq in enumerate(seqs)
+                           if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens}
+        return self.execute(StepPlan(arrays, len(seqs), graph_size, prompt_rows), flat)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, flat: torch.Tensor | None = None
+                ) -> tuple[list[int], torch.Tensor, dict[int, torch.Tensor]]:
+        """Run a planned step; returns what `run` returns. `flat`: the plan's packed inputs
+        already on the device (in the graphs' static buffer for a replay), as `run` leaves them;
+        None (a rank that received the plan, chapter 14) copies them there first."""
+        arrays, replay = plan.arrays, plan.graph_size is not None
+        with record_function("prepare"):
+            if replay:
+                if flat is None:
+                    flat = self.graphs.load(arrays)
                 sample_rows = arrays.unpack(flat)["sample_rows"]
             else:
-                arrays = build_step_arrays(seqs, num_new, self.pool.block_size)
-                flat = to_device(arrays.pack(), self.model.device)
+                if flat is None:
+                    flat = to_device(arrays.pack(), self.model.device)
                 step = device_step(arrays, flat)
                 sample_rows = step.sample_rows
                 attention = self.attention_class(self.pool, step.batch)
         with record_function("forward"):
             if replay:
-                hidden = self.graphs.replay(size, len(seqs))  # row i holds seqs[i]'s one token
+                hidden = self.graphs.replay(plan.graph_size, plan.num_seqs)  # row i holds seqs[i]'s one token
             else:
                 hidden = self.forward(step.input_ids, step.positions, attention)
             # Logits only for the rows that predict a token (the lm_head is the largest matmul).
-            everyone = replay and len(arrays.samplers) == len(seqs)
+            everyone = replay and len(arrays.sample_rows) == plan.num_seqs
             logits = self.model.lm_head(hidden if everyone else hidden[sample_rows])
-            prompt_logits = {}
-            for i, seq in enumerate(seqs):
-                if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
-                    start, end = arrays.query_start[i], arrays.query_start[i + 1]
-                    prompt_logits[i] = self.model.lm_head(hidden[start:end])
+            prompt_logits = {i: self.model.lm_head(hidden[start:end]) for i, (start, end) in plan.prompt_rows.items()}
         return arrays.samplers, logits, prompt_logits

@@ -1,0 +1,104 @@
+"""Chapter 14's script on the tiny checkpoint, end to end: it writes its figures and JSON, every
+tensor-parallel size gives the same tokens, the sharded-layer picture comes from shards that tile
+each matrix, and the communication it measured is exactly what the layer structure predicts —
+per forward pass 2 all-reduces per layer and 1 for the embedding, of [tokens, hidden], and one
+gather of the sampled rows' logits. And the cost model's arithmetic, against hand computations."""
+from __future__ import annotations
+
+import json
+import math
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minivllm.bench.tp_cost import (LINKS, Link, Shape, allreduce_bytes_per_token_per_layer, decode_step,
+                                    model_shapes, ring_allreduce_seconds, speedup_grid)
+from minivllm.loader import CONFIGS, read_config
+
+pytestmark = pytest.mark.ch14
+
+SCRIPT = Path(__file__).parents[1] / "chapters" / "14_tensor_parallelism.py"
+SIZES, REQUESTS, PROMPT, OUTPUT = (1, 2, 4), 3, 6, 5
+
+
+@pytest.fixture(scope="module")
+def payload(tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ch14")
+    argv = [str(SCRIPT), "--model", str(tiny_checkpoint), "--device", "cpu", "--sizes", ",".join(map(str, SIZES)),
+            "--requests", str(REQUESTS), "--prompt", str(PROMPT), "--output", str(OUTPUT), "--sample-tokens", "4"]
+    with pytest.MonkeyPatch.context() as patch:  # one run for all the checks below
+        patch.chdir(folder)  # results and figures land in the temporary folder
+        patch.setattr(sys, "argv", argv)
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    for name in ("14_sharded_layer", "14_step_split", "14_tp_cost"):
+        assert (folder / f"figures/{name}.png").stat().st_size > 10_000, name
+    return json.loads((folder / "benchmarks/results/14_tensor_parallelism_cpu.json").read_text())
+
+
+def test_every_size_gives_the_same_tokens(payload):
+    assert payload["sample"]["same_tokens"]
+    split = payload["step_split"]
+    assert [row["size"] for row in split["sizes"]] == list(SIZES) and split["same_tokens"]
+
+
+def test_measured_communication_is_what_the_layers_call(payload):
+    model = payload["environment"]["model"]
+    layers, hidden, vocab = model["num_layers"], model["hidden_size"], model["vocab_size"]
+    for row in payload["step_split"]["sizes"]:
+        n = row["size"]
+        assert row["tokens_computed"] == REQUESTS * (PROMPT + OUTPUT - 1), "no preemption, nothing cached"
+        if n == 1:
+            assert row["comm_bytes_total"] == 0 and row["comm_calls"] == 0
+            continue
+        activations = (2 * layers + 1) * row["tokens_computed"] * hidden * 4  # fp32 all-reduces of [T, hidden]
+        logits = REQUESTS * OUTPUT * math.ceil(vocab / n) * 4  # each sampled row's share, gathered on rank 0
+        assert row["comm_bytes_total"] == activations + logits, f"N={n}"
+        assert row["comm_calls"] == 2 * layers + 2, f"N={n}: collectives per step"
+        assert 0 <= row["comm_seconds"] <= row["step_seconds"]
+
+
+def test_the_layer_picture_comes_from_shards_that_tile_each_matrix(payload):
+    layout = payload["sharded_layer"]["layout"]
+    assert [m["name"] for m in layout] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for m in layout:
+        size = m["out_features"] if m["kind"] == "column" else m["in_features"]
+        spans = sorted(map(tuple, m["ranks"]))
+        assert spans[0][0] == 0 and spans[-1][1] == size, m["name"]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), f"{m['name']}: {spans} do not tile [0, {size})"
+        assert m["kind"] == ("row" if m["name"] in ("o_proj", "down_proj") else "column")
+
+
+def test_the_cost_model_prices_what_it_says():
+    llama7 = read_config(CONFIGS / "llama-2-7b.json")
+    assert allreduce_bytes_per_token_per_layer(llama7.hidden_size) == 16 * 1024  # 2 x 4,096 x 2 bytes
+    shape = Shape.of("7b", llama7)
+    assert shape.kv_bytes_per_token == llama7.kv_bytes_per_token(torch.bfloat16) == 512 * 1024
+    link = Link("test", 4, 100e9, 10e-6, "")
+    assert ring_allreduce_seconds(1e6, 1, link) == 0
+    assert ring_allreduce_seconds(1e6, 4, link) == pytest.approx(10e-6 + 2 * 1e6 * 3 / 4 / 100e9)
+    one = decode_step(shape, 1, 1, link)
+    assert one["comm"] == 0
+    assert one["compute"] == pytest.approx((shape.parameters * 2 + 1024 * shape.kv_bytes_per_token) / 3.35e12)
+    four = decode_step(shape, 1, 4, link)
+    layers = llama7.num_layers
+    expected = (2 * layers + 1) * (10e-6 + 2 * 4096 * 2 * 3 / 4 / 100e9) + 10e-6 + 32000 * 2 * 3 / 4 / 100e9
+    assert four["comm"] == pytest.approx(expected)
+    # A free link (no latency, infinite bandwidth): a memory-bound step gets N times faster...
+    free = Link("free", 4, math.inf, 0.0, "")
+    assert speedup_grid([shape], [1], free)["speedup"][0, 0] == pytest.approx(4)
+    # ...unless its KV heads cannot split: one KV head is replicated on every rank.
+    mqa = Shape("mqa", shape.parameters, shape.hidden, shape.layers, shape.vocab, 1, shape.kv_bytes_per_token)
+    kv_read = 1024 * shape.kv_bytes_per_token
+    assert decode_step(mqa, 1, 4, free)["memory"] == pytest.approx(shape.parameters * 2 / 4 + kv_read)
+
+
+def test_the_cost_model_covers_the_models_and_links_it_names():
+    shapes = model_shapes()
+    assert [s.name for s in shapes][:3] == ["Qwen3-0.6B", "Llama-3.2-1B", "Llama-2-7B"]
+    assert 0.5e9 < shapes[0].parameters < 0.7e9 and 400e9 < shapes[-1].parameters < 410e9
+    assert [link.ranks for link in LINKS] == [8, 8, 16, 16] and all(link.source for link in LINKS)
+    grid = speedup_grid(shapes, [1, 1024], LINKS[0])
+    assert not grid["fits_one"][-1].any() and math.isnan(grid["speedup"][-1, 0]), "405B in bf16 fits no 8 GPUs"
