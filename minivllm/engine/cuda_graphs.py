@@ -177,26 +177,22 @@ class GraphRunner:
         padding that only touches self.pad_block: build_step_arrays(seqs, [1] * len(seqs),
         self.block_size, num_rows=size, pad_block=self.pad_block). Everything a captured graph
         reads must be rewritten in place: the graph knows the buffers' addresses, not their
-        contents. So the whole step, its tables only as wide as the step's longest
-        (arrays.pack()), goes in one copy into the front of self.static (to_device(packed,
-        device, out=...)), where the fields the graph reads sit at the offsets it captured;
-        then, on the device, the tables of that copy (arrays.unpack(...)["block_tables"]) go
-        into the first columns of rows 0..size-1 of self.tables. The columns after them keep
-        what earlier steps wrote: a step never copies the whole width."""
+        contents. self.load(arrays) makes those copies: the whole step, its tables only as wide
+        as the step's longest (arrays.pack()), goes in one copy into the front of self.static
+        (to_device(packed, device, out=...)), where the fields the graph reads sit at the offsets
+        it captured; then, on the device, the tables of that copy go into the first columns of
+        rows 0..size-1 of self.tables. The columns after them keep what earlier steps wrote: a
+        step never copies the whole width."""
         # BEGIN SOLUTION
         size = bucket_for(len(seqs), self.sizes)
         arrays = build_step_arrays(seqs, [1] * len(seqs), self.block_size, num_rows=size, pad_block=self.pad_block)
-        packed = arrays.pack()
-        flat = to_device(packed, self.static.device, out=self.static[:len(packed)])
-        tables = arrays.unpack(flat)["block_tables"]  # [size, W]: W columns, not self.width
-        self.tables[:size, :tables.shape[1]].copy_(tables)
-        return size, arrays, flat
+        return size, arrays, self.load(arrays)
         # END SOLUTION
 
     def load(self, arrays: StepArrays) -> torch.Tensor:
         """Copy a decode step's arrays, already padded to a bucket's rows, into the static buffers
-        (prepare's copies; chapter 14's other ranks call it with the arrays rank 0 planned, so
-        every rank replays the same graph). Returns the part of self.static that holds them."""
+        (see prepare; chapter 14's other ranks call it with the arrays rank 0 planned, so every
+        rank replays the same graph). Returns the part of self.static that holds them."""
         packed = arrays.pack()
         flat = to_device(packed, self.static.device, out=self.static[:len(packed)])
         tables = arrays.unpack(flat)["block_tables"]  # [size, W]: W columns, not self.width
