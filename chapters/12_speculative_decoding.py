@@ -145,9 +145,9 @@ def main() -> None:
         results["benchmark"] = benchmark(model, tokenizer, draft, args.k, args.repeats, args.prompt_tokens,
                                          args.output_tokens)
         with console.status("speed-up against batch size"):
-            results["batch_sweep"] = batch_sweep(model, tokenizer, draft, prompts["repetitive"] + prompts["ordinary"],
-                                                 args.batches, args.k, args.output_tokens // 3, args.repeats)
-        console.print(f"saved {plots.save(plot_speedup_vs_batch(results['batch_sweep'], subtitle), '12_speedup_vs_batch')}")
+            results["batch_sweep"] = batch_sweep(model, tokenizer, draft, prompts["repetitive"], args.batches, args.k,
+                                                 args.output_tokens // 3, args.repeats)
+        console.print(f"saved {plots.save(plot_speedup_vs_batch(results['batch_sweep'], subtitle + ', repetitive code'), '12_speedup_vs_batch')}")
     else:
         console.print("[yellow]this model has no tokenizer (a config-only shape): only the verify-step cost is measured")
     results["verify_cost"], fig = verify_costs(model, args.k, args.batches)

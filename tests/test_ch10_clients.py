@@ -183,8 +183,10 @@ def test_disconnecting_from_a_streamed_batch_aborts_every_prompt(server):
     with httpx.Client(base_url=server[0], timeout=TIMEOUT, trust_env=False) as http:
         before = finished_counts(http)
         with http.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            assert sum(line.startswith("data: ") for _, line in zip(range(8), lines)) == 4
+            first = [line for _, line in zip(range(8), response.iter_lines())]
+            events = [line for line in first if line.startswith("data: ")]
+            # (in a student copy a stub's error comes as one of these events: shown, it names the stub)
+            assert len(events) == 4 and not any('"error"' in e for e in events), first
         after = finished_counts(http)  # the connection is closed: the server must notice and abort all three
     assert after["abort"] - before["abort"] == len(IDS) and after["length"] == before["length"]
     assert after["tokens"] - before["tokens"] < 400 * 2 * len(IDS)

@@ -119,7 +119,9 @@ def acceptance_sweep(model: Decoder, tokenizer: Any, draft: Any, prompts: dict[s
 def batch_sweep(model: Decoder, tokenizer: Any, draft: Any, prompts: list[list[int]], batch_sizes: list[int], k: int,
                 max_tokens: int, repeats: int) -> list[dict[str, Any]]:
     """Useful tokens/s of plain decoding and of each method at each batch size, measured side by
-    side (the same prompts, the same engine settings), with the tokens checked identical."""
+    side (the same prompts, the same engine settings), with the tokens checked identical. Batch b
+    takes prompts[i % len(prompts)] for i < b: give prompts of one kind, so that only the batch
+    size changes along the sweep."""
     rows = []
     for batch in batch_sizes:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]

@@ -14,7 +14,9 @@ stop strings and max_tokens end a request exactly where plain decoding would.
 
 A sequence speculates only where exactness is simple: not while min_tokens still forbids its
 stop tokens, and not with penalties (both depend on the tokens before each position); those
-requests decode one token at a time. Guesses never run past max_tokens or the context.
+requests decode one token at a time. Under a grammar (chapter 13) each verify row is masked as
+the grammar stands after the guesses before it (`mask_guesses`). Guesses never run past
+max_tokens or the context.
 """
 from __future__ import annotations
 
@@ -175,7 +177,8 @@ class Speculator:
         num_drafts = torch.tensor([seq.num_spec_tokens for seq in seqs], device=device)
         tokens, accepted = rejection_sample(probs, drafts, num_drafts, q, uniforms, noise)
         tokens, accepted = tokens.tolist(), accepted.tolist()
-        raw = logits.float().log_softmax(dim=-1)
+        asking = any(seq.params.logprobs is not None for seq in seqs)
+        raw = logits.float().log_softmax(dim=-1) if asking else None  # only for requests that report logprobs
         verdicts = []
         for s, seq in enumerate(seqs):
             out = tokens[s][:accepted[s] + 1]
