@@ -108,7 +108,9 @@ def plot_acceptance_vs_k(rows: list[dict], subtitle: str = "") -> plt.Figure:
     left.set(xlabel="guesses per step (k)", ylabel="guesses kept", ylim=(0, 1.05), title="Acceptance")
     right.axhline(1, color="#a0aec0", linewidth=1)
     right.set(xlabel="guesses per step (k)", ylabel="tokens per target forward", title="Tokens per verify step")
+    ks = sorted({r["k"] for r in rows})
     for ax in (left, right):
+        ax.set_xticks(ks)
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
     fig.suptitle("Speculative decoding on code" + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
