@@ -149,6 +149,12 @@ def model(hf_model):
 
 
 @pytest.fixture(scope="session")
+def default_model():
+    """The embedded model (fp32, CPU): for checks that need a real tokenizer's text."""
+    return minivllm.load_model(device="cpu")
+
+
+@pytest.fixture(scope="session")
 def qwen3_model(hf_models):
     """minivllm's Decoder of the tiny Qwen3 model alone: for checks about the engine, which do
     not depend on the model family."""

@@ -24,7 +24,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from minivllm import DEFAULT_MODEL, LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
+from minivllm import DEFAULT_MODEL, LLM, LLMEngine, SamplingParams, load_tokenizer
 from minivllm.engine.outputs import CompletionOutput, RequestOutput
 from minivllm.serving import threaded
 from minivllm.serving.auth import APIKeyMiddleware
@@ -39,11 +39,6 @@ TEXTS = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    de
 IDS = [[101, 7, 2050, 33, 912], [5, 6, 7], [3000, 14, 15, 16, 17, 18, 19, 20]]
 CONTEXT = 512  # the embedded model's max_model_len
 TIMEOUT = 60  # seconds any one client call may take
-
-
-@pytest.fixture(scope="module")
-def default_model():
-    return load_model(device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,9 @@ import openai
 import pytest
 from server_checks import (ENGINE, MODEL, TIMEOUT, answer, chunks_of, error_event, expect_status, openai_client,
                            running_server, wait_until_idle)
+from tiny_models import CHAT_TEMPLATE
 
-from minivllm import LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
+from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer
 from minivllm.bench.load import SLO, RequestResult, bench_serve, summarize
 from minivllm.engine.outputs import CompletionOutput, RequestOutput
 from minivllm.engine.trace import Trace
@@ -30,16 +31,8 @@ from minivllm.serving.sse import DONE, Chunks, StreamState, new_deltas, sse, str
 
 pytestmark = pytest.mark.ch10
 
-# A plain-text chat template: the embedded model's tokenizer has none of its own.
-CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}# assistant:{% endif %}")
 PROMPTS = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    def push(self, item):\n        self.",
            "for i in range("]
-
-
-@pytest.fixture(scope="module")
-def default_model():
-    return load_model(device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ import time
 import openai
 import pytest
 
-from minivllm import LLM, LLMEngine, SamplingParams, StructuredOutputsParams, load_model, load_tokenizer
+from minivllm import LLM, LLMEngine, SamplingParams, StructuredOutputsParams, load_tokenizer
 from minivllm.engine.structured_outputs import backend
 from minivllm.serving import threaded
+from tiny_models import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.ch13
 pytest.importorskip("xgrammar")
@@ -23,19 +24,12 @@ jsonschema = pytest.importorskip("jsonschema")
 
 MODEL = "tiny-structured"
 ENGINE = dict(num_kv_blocks=256, max_num_seqs=32)
-CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}# assistant:{% endif %}")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "port": {"type": "integer", "minimum": 1,
                                                                                "maximum": 65535}},
           "required": ["name", "port"]}
 PROMPT = "SERVER = "
 MESSAGES = [{"role": "user", "content": "Give me the server's config as JSON."}]
 TIMEOUT = 60
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +40,13 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def llm(model, tokenizer) -> LLM:
-    return LLM(model, tokenizer=tokenizer, **ENGINE)
+def llm(default_model, tokenizer) -> LLM:
+    return LLM(default_model, tokenizer=tokenizer, **ENGINE)
 
 
 @pytest.fixture(scope="module")
-def client(model, tokenizer):
-    with threaded.running_server(LLMEngine(model, tokenizer=tokenizer, **ENGINE), MODEL) as (url, _):
+def client(default_model, tokenizer):
+    with threaded.running_server(LLMEngine(default_model, tokenizer=tokenizer, **ENGINE), MODEL) as (url, _):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
@@ -145,13 +139,13 @@ def test_bad_constraints_get_a_400_and_the_server_keeps_serving(client, endpoint
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text is not None
 
 
-def test_a_request_waiting_for_its_grammar_counts_as_waiting(model, tokenizer, monkeypatch):
+def test_a_request_waiting_for_its_grammar_counts_as_waiting(default_model, tokenizer, monkeypatch):
     """max_waiting=1: while one request's grammar compiles (held here), the next request is a 503."""
     release = threading.Event()
     compile_grammar = backend.XgrammarBackend.compile_grammar
     monkeypatch.setattr(backend.XgrammarBackend, "compile_grammar",
                         lambda self, grammar: release.wait(timeout=60) and compile_grammar(self, grammar))
-    engine = LLMEngine(model, tokenizer=tokenizer, **ENGINE)
+    engine = LLMEngine(default_model, tokenizer=tokenizer, **ENGINE)
     with threaded.running_server(engine, MODEL, max_waiting=1) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
         answers, errors = [], []

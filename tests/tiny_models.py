@@ -32,6 +32,11 @@ CONFIGS = {
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
 }
 
+# A chat template for the embedded model's tokenizer, which has none: the server checks render
+# conversations through it.
+CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}# assistant:{% endif %}")
+
 
 def tiny_hf_model(family: str, seed: int = 0, vocab_size: int | None = None) -> transformers.PreTrainedModel:
     """vocab_size: another vocabulary than the tiny 97 (4,096 fits the embedded model's tokenizer)."""

@@ -144,13 +144,15 @@ class Speculator:
         for seq in [*running, *waiting]:
             if seq.num_spec_tokens == 0:
                 continue
-            real_left = seq.num_tokens - seq.num_spec_tokens - seq.num_computed_tokens
-            keep = max(0, min(seq.num_spec_tokens, granted.get(seq, 0) - real_left)) if seq in granted else 0
-            drop = seq.num_spec_tokens - keep
-            del seq.token_ids[len(seq.token_ids) - drop:]
+            real_left = seq.num_tokens - seq.num_spec_tokens - seq.num_computed_tokens  # tokens before its guesses
+            keep = max(0, min(seq.num_spec_tokens, granted.get(seq, 0) - real_left))
+            del seq.token_ids[len(seq.token_ids) - (seq.num_spec_tokens - keep):]
             seq.num_spec_tokens = keep
             if seq in self.draft_probs:
-                self.draft_probs[seq] = self.draft_probs[seq][:keep]
+                if keep:
+                    self.draft_probs[seq] = self.draft_probs[seq][:keep]
+                else:
+                    del self.draft_probs[seq]
 
     def verify(self, logits: torch.Tensor, seqs: list[Sequence], block_manager: BlockManager) -> list[Verified]:
         """Steps 4 and 5 for sequences that ran a verify chunk: logits holds 1 + D_s rows for
