@@ -199,6 +199,26 @@ def test_every_finished_output_fits_on_tiny_models(tiny_hf, tokenizer):
     assert len(finished) >= len(results) // 2, f"only {len(finished)} of {len(results)} finished"
 
 
+BOUNDED = {"type": "object", "properties": {"x": {"type": "number", "minimum": -1, "maximum": 1},
+                                            "n": {"type": "integer", "minimum": 0, "maximum": 150},
+                                            "s": {"type": "string"}}, "required": ["x", "n", "s"]}
+
+
+@pytest.mark.parametrize("text, allowed", [
+    ('{"x": 0.5, "n": 150, "s": "a"}', True), ('{"x": -1, "n": 0, "s": "a"}', True),
+    ('{"x": 1.9, "n": 1, "s": "a"}', False), ('{"x": -1.5, "n": 1, "s": "a"}', False),
+    ('{"x": 0, "n": 151, "s": "a"}', False), ('{"x": 0, "n": 1, "s": "a\x01"}', False)])
+def test_the_grammar_holds_numbers_in_their_bounds_and_strings_free_of_control_characters(tokenizer, text, allowed):
+    """What the xgrammar floor in pyproject.toml is for: before 0.2.3 a number with a fractional
+    part could pass its maximum ("1.9" under a maximum of 1), which a sampled output then does.
+    The engine's own compile, fed the text's tokens and then EOS, judged against json + jsonschema."""
+    assert allowed == fits(StructuredOutputsParams(json=BOUNDED), text)
+    grammars = backend.XgrammarBackend(tokenizer, len(tokenizer), [EOS])
+    matcher = xgr.GrammarMatcher(grammars.compile(StructuredOutputsParams(json=BOUNDED), True).result(timeout=60))
+    accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text) + [EOS])
+    assert accepted == allowed and matcher.is_terminated() == allowed, text
+
+
 def test_unconstrained_json_breaks_where_constrained_json_holds(embedded, tokenizer):
     """The chapter's claim, small: the same prompts without the constraint rarely give JSON."""
     llm = LLM(embedded, tokenizer=tokenizer)
