@@ -133,7 +133,11 @@ def worker(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise SystemExit(f"the measurement failed on {tree}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    imported = Path(result.pop("minivllm"))
+    if imported != tree / "minivllm":  # an installed copy would shadow the tree under test
+        raise SystemExit(f"the measurement of {tree} imported minivllm from {imported}")
+    return result
 
 
 def main() -> None:
@@ -164,6 +168,9 @@ def main() -> None:
 
     console = Console()
     trees = {"this tree": ROOT}
+    # What each tree is, for the results: a revision, and whether this tree has uncommitted changes.
+    revisions = {"this tree": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                                             capture_output=True, text=True, check=True).stdout.strip()}
     with tempfile.TemporaryDirectory() as scratch:
         if args.baseline:
             revision = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, capture_output=True,
@@ -171,6 +178,7 @@ def main() -> None:
             archive = subprocess.run(["git", "archive", revision], cwd=ROOT, capture_output=True, check=True).stdout
             subprocess.run(["tar", "-x", "-C", scratch], input=archive, check=True)
             trees = {f"baseline {revision}": Path(scratch), "this tree": ROOT}
+            revisions = {f"baseline {revision}": revision} | revisions
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for r in range(args.rounds):
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):  # who goes first alternates
@@ -203,7 +211,7 @@ def main() -> None:
         created=time.strftime("%Y-%m-%d %H:%M:%S"), machine=machine, python=platform.python_version(),
         batch_size=args.batch_size, context=args.context, steps=args.steps, rounds=args.rounds,
         command=" ".join(["python", "benchmarks/host_step.py", *sys.argv[1:]]), model=CONFIG,
-        trees={name: str(tree) for name, tree in trees.items()}, runs=runs, medians_ms=medians))
+        trees=revisions, runs=runs, medians_ms=medians))
     console.print(f"saved {path}")
 
 
