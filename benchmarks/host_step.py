@@ -125,6 +125,11 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
     return result | {"minivllm": str(Path(minivllm.__file__).parent)}
 
 
+def git(*words: str) -> str:
+    """What a git command prints in this repository."""
+    return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
 def worker(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     """measure() in a fresh process that imports minivllm from `tree`."""
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(args.threads))
@@ -168,13 +173,12 @@ def main() -> None:
 
     console = Console()
     trees = {"this tree": ROOT}
-    # What each tree is, for the results: a revision, and whether this tree has uncommitted changes.
-    revisions = {"this tree": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
-                                             capture_output=True, text=True, check=True).stdout.strip()}
+    # What each tree is, for the results: a revision, and whether the package measured differs from it.
+    edited = git("status", "--porcelain", "--untracked-files=no", "--", "minivllm")
+    revisions = {"this tree": git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if edited else "")}
     with tempfile.TemporaryDirectory() as scratch:
         if args.baseline:
-            revision = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, capture_output=True,
-                                      text=True, check=True).stdout.strip()
+            revision = git("rev-parse", "--short", args.baseline)
             archive = subprocess.run(["git", "archive", revision], cwd=ROOT, capture_output=True, check=True).stdout
             subprocess.run(["tar", "-x", "-C", scratch], input=archive, check=True)
             trees = {f"baseline {revision}": Path(scratch), "this tree": ROOT}
