@@ -130,6 +130,16 @@ def git(*words: str) -> str:
     return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def this_revision() -> str:
+    """What this tree is, for the results: its commit, and whether the package measured differs
+    from it ("not a git checkout" for a copy without history, which can measure but not compare)."""
+    try:
+        edited = git("status", "--porcelain", "--untracked-files=no", "--", "minivllm")
+        return git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if edited else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+
+
 def worker(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     """measure() in a fresh process that imports minivllm from `tree`."""
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(args.threads))
@@ -173,9 +183,7 @@ def main() -> None:
 
     console = Console()
     trees = {"this tree": ROOT}
-    # What each tree is, for the results: a revision, and whether the package measured differs from it.
-    edited = git("status", "--porcelain", "--untracked-files=no", "--", "minivllm")
-    revisions = {"this tree": git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if edited else "")}
+    revisions = {"this tree": this_revision()}
     with tempfile.TemporaryDirectory() as scratch:
         if args.baseline:
             revision = git("rev-parse", "--short", args.baseline)
