@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from tiny_models import CONFIGS, hf_greedy, tiny_hf_model
+from tiny_models import CHAT_TEMPLATE, CONFIGS, hf_greedy, tiny_hf_model
 
 import minivllm
 from minivllm.exercises import prerequisite_note
@@ -152,6 +152,15 @@ def model(hf_model):
 def default_model():
     """The embedded model (fp32, CPU): for checks that need a real tokenizer's text."""
     return minivllm.load_model(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer():
+    """The embedded model's tokenizer with a chat template (it has none of its own): for the
+    server's chat endpoints. Shared: a check must not change it."""
+    tokenizer = minivllm.load_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,6 @@ import openai
 import pytest
 from server_checks import (ENGINE, MODEL, TIMEOUT, answer, chunks_of, error_event, expect_status, openai_client,
                            running_server, wait_until_idle)
-from tiny_models import CHAT_TEMPLATE
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer
 from minivllm.bench.load import SLO, RequestResult, bench_serve, summarize
@@ -36,21 +35,14 @@ PROMPTS = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    tok = load_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
-@pytest.fixture(scope="module")
-def llm(default_model, tokenizer) -> LLM:
+def llm(default_model, chat_tokenizer) -> LLM:
     """The offline engine on the same weights: what the server's answers must equal."""
-    return LLM(default_model, tokenizer=tokenizer, **ENGINE)
+    return LLM(default_model, tokenizer=chat_tokenizer, **ENGINE)
 
 
 @pytest.fixture(scope="module")
-def server(default_model, tokenizer):
-    with running_server(LLMEngine(default_model, tokenizer=tokenizer, **ENGINE)) as (url, app):
+def server(default_model, chat_tokenizer):
+    with running_server(LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE)) as (url, app):
         yield url, app
 
 
@@ -115,7 +107,7 @@ async def stream_text(client: httpx.AsyncClient, body: dict) -> tuple[str, dict]
     return "".join(text), usage
 
 
-def test_100_concurrent_streams_all_finish_with_their_tokens(server, llm, tokenizer):
+def test_100_concurrent_streams_all_finish_with_their_tokens(server, llm, chat_tokenizer):
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 4096) for _ in range(rng.randint(4, 24))] for _ in range(100)]
     lengths = [rng.randint(1, 12) for _ in prompts]
@@ -193,8 +185,8 @@ def test_bad_request_gets_its_4xx_and_the_next_good_one_succeeds(http, path, cas
     assert answer(good)["usage"]["completion_tokens"] == 3
 
 
-def test_a_full_queue_answers_503(default_model, tokenizer):
-    engine = LLMEngine(default_model, tokenizer=tokenizer, num_kv_blocks=64, max_num_seqs=1)
+def test_a_full_queue_answers_503(default_model, chat_tokenizer):
+    engine = LLMEngine(default_model, tokenizer=chat_tokenizer, num_kv_blocks=64, max_num_seqs=1)
     long = {"model": MODEL, "prompt": "x = ", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
     with running_server(engine, max_waiting=1) as (url, _), \
             httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
@@ -224,11 +216,11 @@ def failing_after(calls: int, function):
     return call_or_fail
 
 
-def test_a_failed_step_reaches_every_client_as_a_500_naming_it(default_model, tokenizer):
+def test_a_failed_step_reaches_every_client_as_a_500_naming_it(default_model, chat_tokenizer):
     """A step that raises stops the engine. The request waiting for it and every later one get a
     500 whose OpenAI error body names what raised (in a student copy: the exercise), and
     /health says why the engine stopped."""
-    engine = LLMEngine(default_model, tokenizer=tokenizer, num_kv_blocks=64)
+    engine = LLMEngine(default_model, tokenizer=chat_tokenizer, num_kv_blocks=64)
     engine.step = failing_after(0, engine.step)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4}
     with running_server(engine) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
@@ -243,11 +235,11 @@ def test_a_failed_step_reaches_every_client_as_a_500_naming_it(default_model, to
             openai_client(url).completions.create(model=MODEL, prompt="x", max_tokens=2)
 
 
-def test_a_stream_that_fails_after_it_began_ends_with_an_error_event(default_model, tokenizer, monkeypatch):
+def test_a_stream_that_fails_after_it_began_ends_with_an_error_event(default_model, chat_tokenizer, monkeypatch):
     """Once a stream has begun its 200 is sent: a failure, in the engine thread or in the event
     loop, ends the stream with one `data: {"error": ...}` event naming it, then [DONE]; the
     openai client raises it as an APIError."""
-    engine = LLMEngine(default_model, tokenizer=tokenizer, num_kv_blocks=64)
+    engine = LLMEngine(default_model, tokenizer=chat_tokenizer, num_kv_blocks=64)
     engine.step = failing_after(3, engine.step)
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "ignore_eos": True, "stream": True}
     with running_server(engine) as (url, _), httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False) as http:
@@ -259,15 +251,15 @@ def test_a_stream_that_fails_after_it_began_ends_with_an_error_event(default_mod
             # come before the error depends on timing, up to one per step that ran)
             assert len(events) <= 4 and all(len(e["choices"]) == 1 for e in events[:-1])
             assert STUB in error_event(events[-1])
-    fresh = LLMEngine(default_model, tokenizer=tokenizer, num_kv_blocks=64)
+    fresh = LLMEngine(default_model, tokenizer=chat_tokenizer, num_kv_blocks=64)
     monkeypatch.setattr("minivllm.serving.sse.new_deltas", failing_after(0, None))  # fails in the event loop
     with running_server(fresh) as (url, _):
         with pytest.raises(openai.APIError, match="Exercise ch99 broken_step"):
             list(openai_client(url).completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True))
 
 
-def test_static_mode_runs_batches_that_never_mix(default_model, tokenizer):
-    engine = LLMEngine(default_model, tokenizer=tokenizer, num_kv_blocks=64)
+def test_static_mode_runs_batches_that_never_mix(default_model, chat_tokenizer):
+    engine = LLMEngine(default_model, tokenizer=chat_tokenizer, num_kv_blocks=64)
     engine.trace = Trace()
     lengths = [3, 9, 5, 7, 2]
     with running_server(engine, static_batch_size=2) as (url, _):

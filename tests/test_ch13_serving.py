@@ -13,10 +13,9 @@ import time
 import openai
 import pytest
 
-from minivllm import LLM, LLMEngine, SamplingParams, StructuredOutputsParams, load_tokenizer
+from minivllm import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from minivllm.engine.structured_outputs import backend
 from minivllm.serving import threaded
-from tiny_models import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.ch13
 pytest.importorskip("xgrammar")
@@ -33,20 +32,13 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    tok = load_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+def llm(default_model, chat_tokenizer) -> LLM:
+    return LLM(default_model, tokenizer=chat_tokenizer, **ENGINE)
 
 
 @pytest.fixture(scope="module")
-def llm(default_model, tokenizer) -> LLM:
-    return LLM(default_model, tokenizer=tokenizer, **ENGINE)
-
-
-@pytest.fixture(scope="module")
-def client(default_model, tokenizer):
-    with threaded.running_server(LLMEngine(default_model, tokenizer=tokenizer, **ENGINE), MODEL) as (url, _):
+def client(default_model, chat_tokenizer):
+    with threaded.running_server(LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE), MODEL) as (url, _):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
@@ -139,13 +131,13 @@ def test_bad_constraints_get_a_400_and_the_server_keeps_serving(client, endpoint
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text is not None
 
 
-def test_a_request_waiting_for_its_grammar_counts_as_waiting(default_model, tokenizer, monkeypatch):
+def test_a_request_waiting_for_its_grammar_counts_as_waiting(default_model, chat_tokenizer, monkeypatch):
     """max_waiting=1: while one request's grammar compiles (held here), the next request is a 503."""
     release = threading.Event()
     compile_grammar = backend.XgrammarBackend.compile_grammar
     monkeypatch.setattr(backend.XgrammarBackend, "compile_grammar",
                         lambda self, grammar: release.wait(timeout=60) and compile_grammar(self, grammar))
-    engine = LLMEngine(default_model, tokenizer=tokenizer, **ENGINE)
+    engine = LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE)
     with threaded.running_server(engine, MODEL, max_waiting=1) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
         answers, errors = [], []
