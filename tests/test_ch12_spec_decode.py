@@ -233,6 +233,8 @@ def test_rollback_keeps_shared_prefix_blocks_and_their_counts():
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no 'model'"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ("ngram", "must be a dict"),
+    *[({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": bad}, "integer >= 2")
+      for bad in (1, 0, "4", 4.0, True)],
 ])
 def test_bad_speculative_configs_are_refused(qwen3_model, config, match):
     with pytest.raises(ValueError, match=match):
@@ -332,6 +334,31 @@ def test_greedy_tokens_with_prefix_caching(qwen3_model, hf_models, reference, me
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         assert outputs[str(i)].outputs[0].token_ids == reference(hf_models["qwen3"], prompt, n), f"request {i}"
     assert engine.block_manager.hit_tokens > 0, "the prompts were meant to share cached blocks"
+
+
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_no_guesses_while_the_batch_is_at_disable_by_batch_size(qwen3_model, hf_models, reference, method,
+                                                                monkeypatch):
+    """disable_by_batch_size=3 over 5 requests that finish at different times: a step that begins
+    with 3 or more running proposes nothing, speculation resumes below 3, and every request still
+    ends with transformers' greedy tokens (the draft catches up on what it did not see)."""
+    spec = {"num_speculative_tokens": 3, "disable_by_batch_size": 3} | (
+        {"method": "ngram"} if method == "ngram" else {"model": qwen3_model})
+    engine = LLMEngine(qwen3_model, speculative_config=spec, enable_prefix_caching=False, max_num_seqs=4)
+    steps = []  # (requests running when the step began, guesses it proposed)
+    propose = engine.speculator.propose
+
+    def counted(running):
+        propose(running)
+        steps.append((len(running), sum(seq.num_spec_tokens for seq in running)))
+
+    monkeypatch.setattr(engine.speculator, "propose", counted)
+    outputs = run_checked(engine, PROMPTS, LENGTHS, GREEDY)
+    for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert outputs[str(i)].outputs[0].token_ids == reference(hf_models["qwen3"], prompt, n), f"request {i}"
+    assert all(guesses == 0 for running, guesses in steps if running >= 3)
+    assert any(running >= 3 for running, _ in steps), "the batch was meant to reach the threshold"
+    assert any(guesses > 0 for running, guesses in steps if running < 3), "speculation was meant to resume"
 
 
 def test_n_completions_with_top_k_1_equal_greedy(qwen3_model, hf_models, reference):

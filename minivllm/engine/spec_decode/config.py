@@ -4,9 +4,15 @@
     {"method": "draft_model", "model": SOURCE, "num_speculative_tokens": k}
     {"model": SOURCE, "num_speculative_tokens": k}          (a model without a method: a draft model)
 
+Either may add "disable_by_batch_size": B (as vLLM's): a step that begins with B or more
+requests running proposes no guesses. Speculation trades spare compute for fewer steps, and a
+large batch has no spare compute (chapter 12's batch sweep: the n-gram gain falls from 1.8x at
+batch 1 to about 1.1x at batch 8 and more on a CPU).
+
 SOURCE is anything load_model accepts (or a loaded minivllm Decoder). Checked here, once, as
-strictly as every engine setting: an unknown method or key, a k that is not an integer >= 1, or
-prompt_lookup_min > prompt_lookup_max is a ValueError. (Whether a draft's vocabulary matches
+strictly as every engine setting: an unknown method or key, a k that is not an integer >= 1,
+prompt_lookup_min > prompt_lookup_max, or a disable_by_batch_size that is not an integer >= 2
+(at 1 no step would ever speculate) is a ValueError. (Whether a draft's vocabulary matches
 the target's can only be checked once it is loaded: the draft proposer does that.)
 """
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
-KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "disable_by_batch_size"}
 # minivllm's defaults for prompt lookup when the config leaves them out: match the last 4 tokens
 # if they occur earlier, else the last 3, ... down to 1.
 PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN = 4, 1
@@ -34,6 +40,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = PROMPT_LOOKUP_MAX  # ngram: the longest suffix looked up
     prompt_lookup_min: int = PROMPT_LOOKUP_MIN  # ngram: the shortest
     model: Any = None  # draft_model: the draft's source (a folder, hub id, config.json or Decoder)
+    disable_by_batch_size: int | None = None  # no guesses in a step that begins with this many running
 
     @classmethod
     def from_dict(cls, config: Any) -> SpeculativeConfig:
@@ -53,17 +60,21 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config needs 'num_speculative_tokens': how many tokens to guess per step")
         k = _count("num_speculative_tokens", config["num_speculative_tokens"])
+        pause = config.get("disable_by_batch_size")
+        if pause is not None and (isinstance(pause, bool) or not isinstance(pause, int) or pause < 2):
+            raise ValueError(f"speculative_config['disable_by_batch_size'] must be an integer >= 2 (at 1 no step "
+                             f"would ever speculate), got {pause!r}")
         if method == "draft_model":
             extra = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(config))
             if extra:
                 raise ValueError(f"speculative_config: {extra} apply to method 'ngram', not to a draft model")
             if config.get("model") is None:
                 raise ValueError("speculative_config for a draft model needs 'model': what load_model should load")
-            return cls("draft_model", k, model=config["model"])
+            return cls("draft_model", k, model=config["model"], disable_by_batch_size=pause)
         if "model" in config:
             raise ValueError("speculative_config: method 'ngram' looks up the sequence's own tokens and takes no 'model'")
         high = _count("prompt_lookup_max", config.get("prompt_lookup_max", PROMPT_LOOKUP_MAX))
         low = _count("prompt_lookup_min", config.get("prompt_lookup_min", min(PROMPT_LOOKUP_MIN, high)))
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
-        return cls("ngram", k, prompt_lookup_max=high, prompt_lookup_min=low)
+        return cls("ngram", k, prompt_lookup_max=high, prompt_lookup_min=low, disable_by_batch_size=pause)

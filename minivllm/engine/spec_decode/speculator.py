@@ -128,7 +128,11 @@ class Speculator:
         self.draft_probs: dict[Sequence, torch.Tensor] = {}  # q of each sequence's guesses, this step
 
     def propose(self, running: list[Sequence]) -> None:
-        """Step 1: append guesses to every running sequence that may speculate."""
+        """Step 1: append guesses to every running sequence that may speculate (none while the
+        batch is at least disable_by_batch_size: it has no spare compute to verify them with)."""
+        pause = self.config.disable_by_batch_size
+        if pause is not None and len(running) >= pause:
+            return
         seqs = [seq for seq in running if may_speculate(seq)]
         limits = [min(self.config.num_speculative_tokens, seq.max_total_tokens - seq.num_tokens) for seq in seqs]
         guesses, dists = self.proposer.propose(seqs, limits)
