@@ -2,24 +2,20 @@
 traced run's steps account for exactly the tokens the workload needs computed."""
 from __future__ import annotations
 
-import json
-import runpy
 import subprocess
-import sys
 from pathlib import Path
+
+from tiny_models import run_script
 
 from minivllm.bench.peers import continuous_batching_unavailable
 
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "continuous_vs_transformers.py"
 
 
-def test_engine_benchmark_writes_json_and_figure(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # results and figures land in the temporary folder
-    monkeypatch.setattr(sys, "argv", [str(BENCHMARK), "--model", str(tiny_checkpoint), "--workload", "tiny",
-                                      "--requests", "3", "8", "--repeats", "1", "--device", "cpu"])
-    runpy.run_path(str(BENCHMARK), run_name="__main__")
-    payload = json.loads((tmp_path / "benchmarks/results/07_vs_transformers_cpu.json").read_text())
-    assert (tmp_path / "figures/07_vs_transformers.png").stat().st_size > 10_000
+def test_engine_benchmark_writes_json_and_figure(tiny_checkpoint, tmp_path):
+    payload = run_script(BENCHMARK, ["--model", str(tiny_checkpoint), "--workload", "tiny", "--requests", "3", "8",
+                                     "--repeats", "1", "--device", "cpu"],
+                         tmp_path, "07_vs_transformers_cpu", figures=["07_vs_transformers"])
     assert [run["workload"]["requests"] for run in payload["runs"]] == [3, 8]
     peers = ["transformers generate (static)"]
     if not continuous_batching_unavailable():  # transformers < 5.5 has no continuous batching to compare with
@@ -40,15 +36,12 @@ def test_engine_benchmark_writes_json_and_figure(tiny_checkpoint, tmp_path, monk
     assert steps[0]["kind"].startswith("prefill")
 
 
-def test_host_step_benchmark_times_every_phase_of_a_decode_step(tmp_path, monkeypatch):
+def test_host_step_benchmark_times_every_phase_of_a_decode_step(tmp_path):
     """benchmarks/host_step.py on a small batch: every measured step is a decode step of the
     whole batch (it checks that itself), and the phases add up to no more than the step."""
     script = Path(__file__).parents[1] / "benchmarks" / "host_step.py"
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [str(script), "--batch-size", "8", "--context", "40", "--steps", "3",
-                                      "--rounds", "1"])
-    runpy.run_path(str(script), run_name="__main__")
-    payload = json.loads((tmp_path / "benchmarks/results/09_host_step_cpu.json").read_text())
+    payload = run_script(script, ["--batch-size", "8", "--context", "40", "--steps", "3", "--rounds", "1"],
+                         tmp_path, "09_host_step_cpu")
     medians = payload["medians_ms"]["this tree"]
     # The script itself refuses a run that imported minivllm from anywhere but the tree it names.
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=script.parent, capture_output=True,

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from tiny_models import random_prompts
+from tiny_models import make_seq, random_prompts, run_script
 
 from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.engine.cuda_graphs import CudaGraph, EagerGraph, GraphRunner, bucket_for, graph_batch_sizes
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.prepare import build_step_arrays
-from minivllm.engine.sequence import Sequence
 
 pytestmark = pytest.mark.ch09
 
@@ -44,12 +44,6 @@ def test_bucket_for_is_the_smallest_size_that_fits(sizes):
     for bad in (0, -1, sizes[-1] + 1):
         with pytest.raises(ValueError):
             bucket_for(bad, sizes)
-
-
-def make_seq(request_id: str, tokens: list[int], computed: int, table: list[int]) -> Sequence:
-    seq = Sequence(request_id, tokens, SamplingParams(max_tokens=4), max_model_len=1000)
-    seq.num_computed_tokens, seq.block_table = computed, table
-    return seq
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -263,18 +257,10 @@ def test_a_step_never_waits_for_the_gpu_before_reading_its_tokens(hf_models, sam
     assert not engine.has_unfinished_requests()
 
 
-def test_chapter_script_runs_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path, monkeypatch):
-    import json
-    import runpy
-    import sys
-    from pathlib import Path
-
+def test_chapter_script_runs_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path):
     script = Path(__file__).resolve().parent.parent / "chapters" / "09_cuda_graphs.py"
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [str(script), "--model", str(tiny_checkpoint), "--device", "cpu",
-                                      "--batch-size", "4", "--context", "40", "--steps", "2"])
-    runpy.run_path(str(script), run_name="__main__")
-    payload = json.loads((tmp_path / "benchmarks/results/09_cuda_graphs_cpu.json").read_text())
+    payload = run_script(script, ["--model", str(tiny_checkpoint), "--device", "cpu", "--batch-size", "4",
+                                  "--context", "40", "--steps", "2"], tmp_path, "09_cuda_graphs_cpu")
     assert payload["same_tokens"] == {"eager": True}
     assert [p["variant"] for p in payload["profiles"]] == ["eager"]
     assert [r["batch_size"] for r in payload["lean_step"]["prepare"]] == [1, 4, 16, 64, 256]

@@ -5,14 +5,12 @@ one the requests and the seeded workload fix in advance, and it leaves no server
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from tiny_models import run_script
 
 from minivllm.bench.workloads import make_workload
 from minivllm.text import DEMO_PROMPT, encode_or_random
@@ -27,17 +25,10 @@ WARM_UP, COMPLETION, RAW = 2, 32, 6  # tokens of the script's requests to the co
 @pytest.fixture(scope="module")
 def run(tiny_checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ch10")
-    argv = [str(SCRIPT), "--model", str(tiny_checkpoint), "--device", "cpu", "--workload", "tiny",
+    args = ["--model", str(tiny_checkpoint), "--device", "cpu", "--workload", "tiny",
             "--concurrency", ",".join(map(str, LEVELS)), "--requests-per-level", str(REQUESTS),
             "--static-batch-size", "2"]
-    grad = torch.is_grad_enabled()
-    with pytest.MonkeyPatch.context() as patch:  # one run for all the checks below
-        patch.chdir(folder)  # results and figures land in the temporary folder
-        patch.setattr(sys, "argv", argv)
-        runpy.run_path(str(SCRIPT), run_name="__main__")
-    torch.set_grad_enabled(grad)  # the script turns gradients off for the whole process
-    payload = json.loads((folder / "benchmarks/results/10_serving_chapter_cpu.json").read_text())
-    return folder, payload
+    return folder, run_script(SCRIPT, args, folder, "10_serving_chapter_cpu")  # one run for all the checks below
 
 
 def test_it_writes_its_own_json_and_figure_and_nothing_else(run):

@@ -4,12 +4,10 @@ cached run computes the plain run's prompt tokens minus the full blocks each req
 (the shared system prompt's, the previous turn's), as its trace counted them."""
 from __future__ import annotations
 
-import json
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import run_script
 
 pytestmark = pytest.mark.ch11
 
@@ -25,17 +23,12 @@ def full_blocks(tokens: int, block_size: int) -> int:
 @pytest.fixture(scope="module")
 def payload(tiny_checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ch11")
-    argv = [str(SCRIPT), "--model", str(tiny_checkpoint), "--device", "cpu", "--requests", str(REQUESTS),
+    args = ["--model", str(tiny_checkpoint), "--device", "cpu", "--requests", str(REQUESTS),
             "--prefix", str(PREFIX), "--repeats", "1", "--rate", "50", "--shares", "0", "0.5", "0.9",
             "--sweep-prompt", str(SWEEP_PROMPT), "--sweep-requests", str(SWEEP_REQUESTS), "--sweep-repeats", "1",
             "--conversations", "2", "--turns", "3", "--chat-repeats", "1"]
-    with pytest.MonkeyPatch.context() as patch:  # one run for all the checks below
-        patch.chdir(folder)  # results and figures land in the temporary folder
-        patch.setattr(sys, "argv", argv)
-        runpy.run_path(str(SCRIPT), run_name="__main__")
-    for name in ("11_shared_blocks", "11_shared_prefix", "11_multi_turn"):
-        assert (folder / f"figures/{name}.png").stat().st_size > 10_000, name
-    return json.loads((folder / "benchmarks/results/11_prefix_caching_cpu.json").read_text())
+    return run_script(SCRIPT, args, folder, "11_prefix_caching_cpu",  # one run for all the checks below
+                      figures=("11_shared_blocks", "11_shared_prefix", "11_multi_turn"))
 
 
 def test_shared_prefix_benchmark_counts_the_work_the_cache_saves(payload):

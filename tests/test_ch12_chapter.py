@@ -3,12 +3,10 @@ its figures and JSON, speculation never changes a greedy token, and its counts a
 (acceptances are shares, a verify step scores k + 1 tokens per sequence)."""
 from __future__ import annotations
 
-import json
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import run_script
 
 pytestmark = pytest.mark.ch12
 
@@ -18,15 +16,10 @@ SCRIPT = Path(__file__).parents[1] / "chapters" / "12_speculative_decoding.py"
 @pytest.fixture(scope="module")
 def payload(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ch12")
-    argv = [str(SCRIPT), "--device", "cpu", "--prompt-tokens", "80", "--output-tokens", "24", "--ks", "1", "3",
+    args = ["--device", "cpu", "--prompt-tokens", "80", "--output-tokens", "24", "--ks", "1", "3",
             "--batches", "1", "2", "--repeats", "1", "--k", "3"]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(folder)
-        patch.setattr(sys, "argv", argv)
-        runpy.run_path(str(SCRIPT), run_name="__main__")
-    for name in ("12_verify_step", "12_acceptance", "12_speedup_vs_batch", "12_verify_cost"):
-        assert (folder / f"figures/{name}.png").stat().st_size > 10_000, name
-    return json.loads((folder / "benchmarks/results/12_speculative_decoding_cpu.json").read_text())
+    return run_script(SCRIPT, args, folder, "12_speculative_decoding_cpu",
+                      figures=("12_verify_step", "12_acceptance", "12_speedup_vs_batch", "12_verify_cost"))
 
 
 def test_speculation_never_changes_a_greedy_token(payload):

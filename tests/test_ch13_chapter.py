@@ -4,12 +4,10 @@ without free whitespace; the bitmask picture ends on EOS alone and spells the ou
 masking benchmark's constrained requests all ran every timed step."""
 from __future__ import annotations
 
-import json
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import run_script
 
 pytestmark = pytest.mark.ch13
 pytest.importorskip("xgrammar")
@@ -22,15 +20,10 @@ BATCH_SIZES, STEPS = [1, 3], 4
 @pytest.fixture(scope="module")
 def payload(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ch13")
-    argv = [str(SCRIPT), "--device", "cpu", "--samples", "1", "--max-tokens", "32", "--steps", str(STEPS),
+    args = ["--device", "cpu", "--samples", "1", "--max-tokens", "32", "--steps", str(STEPS),
             "--repeats", "1", "--batch-sizes", *map(str, BATCH_SIZES)]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(folder)  # results and figures land in the temporary folder
-        patch.setattr(sys, "argv", argv)
-        runpy.run_path(str(SCRIPT), run_name="__main__")
-    for name in ("13_bitmask_steps", "13_validity", "13_whitespace", "13_mask_cost"):
-        assert (folder / f"figures/{name}.png").stat().st_size > 10_000, name
-    return json.loads((folder / "benchmarks/results/13_structured_outputs_cpu.json").read_text())
+    return run_script(SCRIPT, args, folder, "13_structured_outputs_cpu",
+                      figures=("13_bitmask_steps", "13_validity", "13_whitespace", "13_mask_cost"))
 
 
 def test_with_the_mask_nothing_breaks_its_format(payload):

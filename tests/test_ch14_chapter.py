@@ -5,14 +5,12 @@ per forward pass 2 all-reduces per layer and 1 for the embedding, of [tokens, hi
 gather of the sampled rows' logits. And the cost model's arithmetic, against hand computations."""
 from __future__ import annotations
 
-import json
 import math
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import run_script
 
 from minivllm.bench.tp_cost import (LINKS, Link, Shape, allreduce_bytes_per_token_per_layer, decode_step,
                                     model_shapes, ring_allreduce_seconds, speedup_grid)
@@ -27,15 +25,10 @@ SIZES, REQUESTS, PROMPT, OUTPUT = (1, 2, 4), 3, 6, 5
 @pytest.fixture(scope="module")
 def payload(tiny_checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ch14")
-    argv = [str(SCRIPT), "--model", str(tiny_checkpoint), "--device", "cpu", "--sizes", ",".join(map(str, SIZES)),
+    args = ["--model", str(tiny_checkpoint), "--device", "cpu", "--sizes", ",".join(map(str, SIZES)),
             "--requests", str(REQUESTS), "--prompt", str(PROMPT), "--output", str(OUTPUT), "--sample-tokens", "4"]
-    with pytest.MonkeyPatch.context() as patch:  # one run for all the checks below
-        patch.chdir(folder)  # results and figures land in the temporary folder
-        patch.setattr(sys, "argv", argv)
-        runpy.run_path(str(SCRIPT), run_name="__main__")
-    for name in ("14_sharded_layer", "14_step_split", "14_tp_cost"):
-        assert (folder / f"figures/{name}.png").stat().st_size > 10_000, name
-    return json.loads((folder / "benchmarks/results/14_tensor_parallelism_cpu.json").read_text())
+    return run_script(SCRIPT, args, folder, "14_tensor_parallelism_cpu",  # one run for all the checks below
+                      figures=("14_sharded_layer", "14_step_split", "14_tp_cost"))
 
 
 def test_every_size_gives_the_same_tokens(payload):

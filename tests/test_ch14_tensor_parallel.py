@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_engine_config import on_cuda
-from tiny_models import random_prompts
+from tiny_models import make_seq, random_prompts
 from torch import nn
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams, load_model, load_tokenizer
@@ -37,7 +37,6 @@ from minivllm.distributed.simulate import sharded_logits
 from minivllm.engine.cuda_graphs import EagerGraph
 from minivllm.engine.model_runner import StepPlan
 from minivllm.engine.prepare import build_step_arrays
-from minivllm.engine.sequence import Sequence
 from minivllm.engine.trace import Trace
 from minivllm.serving import threaded
 
@@ -221,12 +220,6 @@ def test_each_rank_holds_the_kv_heads_its_query_heads_read(hf_models, family, wo
 # ------------------------------------------------------------------------------------------
 # The step message
 # ------------------------------------------------------------------------------------------
-
-
-def make_seq(request_id: str, tokens: list[int], computed: int, table: list[int]) -> Sequence:
-    seq = Sequence(request_id, tokens, SamplingParams(max_tokens=4), max_model_len=1000)
-    seq.num_computed_tokens, seq.block_table = computed, table
-    return seq
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -8,12 +8,11 @@ a round trip through JSON, which is how chapter 9 stores and replots it.
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import run_script
 
 from minivllm import LLMEngine, ModelConfig, SamplingParams
 from minivllm.bench.profiling import VARIANTS, StepProfile, profile_steps
@@ -113,11 +112,8 @@ def test_bad_arguments_are_refused(qwen3_model):
         profile_steps(engine)
 
 
-def test_the_script_writes_its_figure_and_json(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--model", str(tiny_checkpoint), "--device", "cpu",
-                                      "--batch-size", "2", "--context", "16", "--steps", "2"])
-    runpy.run_path(str(SCRIPT), run_name="__main__")
-    payload = json.loads((tmp_path / "benchmarks/results/09_step_profile_cpu.json").read_text())
+def test_the_script_writes_its_figure_and_json(tiny_checkpoint, tmp_path):
+    payload = run_script(SCRIPT, ["--model", str(tiny_checkpoint), "--device", "cpu", "--batch-size", "2",
+                                  "--context", "16", "--steps", "2"],
+                         tmp_path, "09_step_profile_cpu", figures=["09_step_timeline"])
     assert [p["variant"] for p in payload["profiles"]] == ["eager"]
-    assert (tmp_path / "figures/09_step_timeline.png").stat().st_size > 10_000

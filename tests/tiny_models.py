@@ -5,15 +5,22 @@ two tokens would otherwise make "same tokens as transformers" a coin toss on rou
 """
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterator
+import runpy
+import sys
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import transformers
 
 from minivllm import text
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.sequence import Sequence
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               max_position_embeddings=256, initializer_range=0.2, eos_token_id=None, bos_token_id=None)
@@ -112,3 +119,26 @@ def unspecialised(kernel) -> tuple[set[str], set[str]]:
     # The interpreter keeps triton.jit's options as they were given (older ones, 3.2 among them, on its rewriter).
     options = getattr(kernel, "kwargs", None) or kernel.rewriter.kwargs
     return set(options.get("do_not_specialize") or ()), set(options.get("do_not_specialize_on_alignment") or ())
+
+
+def run_script(script: Path, args: list[str], folder: Path, results: str, figures: Iterable[str] = ()) -> dict[str, Any]:
+    """Run a chapter or benchmark script as `python script *args` in `folder` (where its results
+    and figures land), check that each named figure is a real picture (over 10 kB), and return
+    its results JSON (benchmarks/results/{results}.json). The scripts turn gradients off for the
+    whole process; they are on again afterwards as they were."""
+    grad = torch.is_grad_enabled()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        patch.setattr(sys, "argv", [str(script), *args])
+        runpy.run_path(str(script), run_name="__main__")
+    torch.set_grad_enabled(grad)
+    for name in figures:
+        assert (folder / f"figures/{name}.png").stat().st_size > 10_000, name
+    return json.loads((folder / f"benchmarks/results/{results}.json").read_text())
+
+
+def make_seq(request_id: str, tokens: list[int], computed: int, table: list[int]) -> Sequence:
+    """A running sequence with `computed` of its tokens computed and the given block table."""
+    seq = Sequence(request_id, tokens, SamplingParams(max_tokens=4), max_model_len=1000)
+    seq.num_computed_tokens, seq.block_table = computed, table
+    return seq
