@@ -27,9 +27,9 @@ KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_
 PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN = 4, 1
 
 
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"speculative_config[{name!r}] must be an integer >= 1, got {value!r}")
+def _count(name: str, value: Any, least: int = 1, why: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"speculative_config[{name!r}] must be an integer >= {least}{why}, got {value!r}")
     return value
 
 
@@ -61,9 +61,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 'num_speculative_tokens': how many tokens to guess per step")
         k = _count("num_speculative_tokens", config["num_speculative_tokens"])
         pause = config.get("disable_by_batch_size")
-        if pause is not None and (isinstance(pause, bool) or not isinstance(pause, int) or pause < 2):
-            raise ValueError(f"speculative_config['disable_by_batch_size'] must be an integer >= 2 (at 1 no step "
-                             f"would ever speculate), got {pause!r}")
+        if pause is not None:
+            _count("disable_by_batch_size", pause, least=2, why=" (at 1 no step would ever speculate)")
         if method == "draft_model":
             extra = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(config))
             if extra:
