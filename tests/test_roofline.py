@@ -3,7 +3,9 @@ nano numbers, a measured bandwidth, the benchmark script end to end on a tiny ch
 its warm-up, which must take every path the timed run takes."""
 from __future__ import annotations
 
+import importlib.util
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,18 @@ def test_copy_bandwidth_is_positive():
     assert copy_bandwidth("cpu", nbytes=2**22, repeats=3) > 0
 
 
+def test_the_floor_is_priced_at_the_higher_of_copy_and_read(monkeypatch):
+    from minivllm.bench import timing
+
+    assert timing.read_bandwidth("cpu", nbytes=2**22, repeats=3) > 0
+    for bad in (dict(nbytes=0), dict(nbytes=2**20, repeats=True)):
+        with pytest.raises(ValueError):
+            timing.read_bandwidth("cpu", **bad)
+    monkeypatch.setattr(timing, "copy_bandwidth", lambda device: 4.0e12)
+    monkeypatch.setattr(timing, "read_bandwidth", lambda device: 4.3e12)
+    assert timing.floor_bandwidth("cpu") == dict(copy=4.0e12, read=4.3e12, floor=4.3e12)
+
+
 def test_the_benchmark_runs_end_to_end(tiny_checkpoint, tmp_path):
     payload = run_script(BENCHMARK, ["--model", str(tiny_checkpoint), "--workload", "tiny", "--requests", "4",
                                      "--peer-requests", "2", "--device", "cpu"],
@@ -91,6 +105,9 @@ def test_the_benchmark_runs_end_to_end(tiny_checkpoint, tmp_path):
     # transformers < 5.5 has no continuous batching to compare with
     peer = [] if continuous_batching_unavailable() else ["transformers generate_batch, first 2 requests"]
     assert [row["name"] for row in payload["rows"]] == ["minivllm (eager)", "minivllm (eager), first 2 requests", *peer]
+    assert payload["complete"] is True
+    assert payload["bandwidth"]["bytes_per_second"] == max(payload["bandwidth"]["copy_bytes_per_second"],
+                                                           payload["bandwidth"]["read_bytes_per_second"])
     output_lens = payload["workload"]["output_lens"]
     floors = {"tiny": payload["floor"], "first 2 requests": payload["peer_workload"]["floor"]}
     assert floors["tiny"]["weight_reads"] == max(output_lens) and floors["tiny"]["output_tokens"] == sum(output_lens)
@@ -98,6 +115,7 @@ def test_the_benchmark_runs_end_to_end(tiny_checkpoint, tmp_path):
     for row in payload["rows"]:
         n = 4 if row["workload"] == "tiny" else 2
         assert row["same_tokens_as_engine"] == f"{n}/{n}", row["name"]
+        assert row["requests_finished"] == f"{n}/{n}"
         assert row["useful_tokens"] == sum(output_lens[:n])
         assert row["share_of_roofline"] == pytest.approx(floors[row["workload"]]["seconds"] / row["median_seconds"])
         assert (row["speedup_over_transformers"] is None) == (n == 4 or not peer)
@@ -139,3 +157,23 @@ def test_the_warm_up_takes_every_path_the_timed_run_takes(qwen3_model):
     generate(work)
     assert len(paths[-1]) == 3, f"this workload should take all three paths, took {paths[-1]}"
     assert paths[-1] <= warm_paths, f"the timed run takes {paths[-1] - warm_paths}, which the warm-up never took"
+
+
+def test_the_peer_stops_at_its_deadline_with_what_it_finished(qwen3_model):
+    """transformers past its deadline: the requests it had not finished come back as None, and
+    the roofline's row counts only those it finished."""
+    from minivllm.bench.peers import hf_generate_batch, to_transformers
+
+    if continuous_batching_unavailable():
+        pytest.skip("this transformers has no continuous batching")
+    hf = to_transformers(qwen3_model)
+    prompts, lens = [[1, 2, 3], [4, 5, 6, 7]], [3, 4]
+    assert hf_generate_batch(hf, prompts, lens, deadline=time.perf_counter() - 1) == [None, None]
+    done = hf_generate_batch(hf, prompts, lens, deadline=time.perf_counter() + 60)
+    assert [len(out) for out in done] == lens
+    spec = importlib.util.spec_from_file_location("engine_roofline", BENCHMARK)
+    engine_roofline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine_roofline)
+    row = engine_roofline.finish_row(dict(seconds=[2.0]), [done[0], None], done, lens)
+    assert row["requests_finished"] == "1/2" and row["useful_tokens"] == 3 and row["tokens_per_second"] == 1.5
+    assert row["same_tokens_as_engine"] == "1/1"

@@ -1,15 +1,17 @@
-"""Download the wheels chapter 10 needs on a machine that cannot reach a package registry.
+"""Download the wheels chapters 10 and 13 need on a machine that cannot reach a package registry.
 
     python tools/fetch_wheels.py [--dest .whl] [--python-version 3.12] [--platform manylinux_2_28_x86_64 ...]
 
 The lent GPU machines (see README, "On a GPU") have PyTorch, Triton and transformers but not
-FastAPI, uvicorn or the official openai client, and reach no registry. Run this where pip can
-reach PyPI: it downloads the server's and the load generator's packages at the versions installed
-here (the ones this repository's tests ran with), with every dependency pip resolves for the
-target (CPython 3.12 on x86-64 Linux by default), into the git-ignored folder .whl/. Carry that
-folder to the GPU machine; benchmarks/gpu_runbook.py installs it from there before the serving
-part (pip install --no-index --no-deps --target ...), into a folder of its own that only that
-part's process sees.
+FastAPI, uvicorn, the official openai client or xgrammar, and reach no registry. Run this where pip
+can reach PyPI: it downloads the server's and the load generator's packages at the versions
+installed here (the ones this repository's tests ran with), with every dependency pip resolves for
+the target (CPython 3.12 on x86-64 Linux by default), and xgrammar (chapter 13's grammar engine)
+with only the one dependency the GPU machine lacks: its others are torch, Triton, transformers and
+NumPy, which that machine has and which would otherwise come along as gigabytes of wheels. All go
+into the git-ignored folder .whl/. Carry that folder to the GPU machine; benchmarks/gpu_runbook.py
+installs it from there before the first part that imports them (pip install --no-index --no-deps
+--target ...), into a folder of its own that only those parts' processes see.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from pathlib import Path
 # The distributions chapter 10 imports (the server; its load generator; the official client its
 # script and tests stream with), named as pip names them.
 PACKAGES = ("fastapi", "uvicorn", "pydantic", "httpx", "openai", "prometheus-client")
+# Downloaded without their dependencies: xgrammar needs torch, Triton, transformers and NumPy besides
+# apache-tvm-ffi, and the GPU machine has those four.
+WITHOUT_DEPENDENCIES = ("xgrammar", "apache-tvm-ffi")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 
@@ -52,9 +57,10 @@ def main() -> None:
         raise SystemExit(f"{args.dest} already holds {len(stale)} wheels: empty it first")
     command = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", args.python_version,
                "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none",
-               *[f"--platform={tag}" for tag in args.platform], "--dest", str(args.dest), *pinned(PACKAGES)]
-    print(" ".join(command))
-    subprocess.run(command, check=True)
+               *[f"--platform={tag}" for tag in args.platform], "--dest", str(args.dest)]
+    for extra, names in (([], PACKAGES), (["--no-deps"], WITHOUT_DEPENDENCIES)):
+        print(" ".join(command + extra + pinned(names)))
+        subprocess.run(command + extra + pinned(names), check=True)
     wheels = sorted(p.name for p in args.dest.glob("*.whl"))
     size = sum(p.stat().st_size for p in args.dest.glob("*.whl"))
     print(f"{len(wheels)} wheels, {size / 2**20:.1f} MiB, in {args.dest}:\n  " + "\n  ".join(wheels))

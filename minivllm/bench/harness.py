@@ -73,10 +73,18 @@ def run_stage(name: str, generate: Any, model: Decoder, workload: Workload, **op
     return StageResult(name, seconds, useful_tokens(outputs, workload.output_lens), stats, peak, outputs)
 
 
-def save_results(name: str, payload: dict[str, Any]) -> Path:
+def save_results(name: str, payload: dict[str, Any], complete: bool | None = None) -> Path:
+    """Write benchmarks/results/<name>.json. A benchmark that saves after every row passes
+    complete=False until its last one, so a run killed half-way leaves what it finished, marked
+    as such ("complete": false), instead of nothing. The file is replaced in one rename: a kill
+    mid-write leaves the previous version, never half a file."""
+    if complete is not None:
+        payload = payload | {"complete": complete}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    partial.replace(path)
     return path
 
 

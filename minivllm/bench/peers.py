@@ -7,6 +7,7 @@ tokens (exactly output_lens[i] of them), so outputs can be checked against miniv
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -74,15 +75,19 @@ def continuous_batching_unavailable() -> str | None:
 
 @torch.no_grad()  # not inference_mode: the manager's thread updates tensors created here in place
 def hf_generate_batch(
-    hf_model: Any, prompts: list[list[int]], output_lens: list[int], max_batch_tokens: int = 2048
-) -> list[list[int]]:
+    hf_model: Any, prompts: list[list[int]], output_lens: list[int], max_batch_tokens: int = 2048,
+    deadline: float | None = None,
+) -> list[list[int] | None]:
     """transformers' continuous batching (transformers >= 5.5). `generate_batch` takes one
     max_new_tokens for all requests, so we drive the manager it wraps ourselves and give each
     request its own length: the same work minivllm does, not the longest output for all.
 
     The cache is sized explicitly to hold every request at once: left to itself, transformers sizes
     it from the device's free memory (on a CPU, the machine's whole memory: slow to allocate).
-    On a CPU, transformers up to 5.20 also needs psutil to see that memory at all."""
+    On a CPU, transformers up to 5.20 also needs psutil to see that memory at all.
+
+    With a `deadline` (a time.perf_counter() value) it stops there: the requests not finished
+    by then come back as None (without one, every request comes back)."""
     if reason := continuous_batching_unavailable():
         raise PeerUnavailable(reason)
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -100,6 +105,8 @@ def hf_generate_batch(
         ids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, eos_token_id=-1)
                for i, (p, n) in enumerate(zip(prompts, output_lens))]
         while len(results) < len(ids):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             result = manager.get_result(timeout=1)  # not streaming: a request comes back once, finished or failed
             if result is None:
                 if not manager.is_running():
@@ -108,7 +115,7 @@ def hf_generate_batch(
             if result.error:
                 raise RuntimeError(f"transformers' continuous batching failed {result.request_id}: {result.error}")
             results[result.request_id] = list(result.generated_tokens)
-    return [results[i][:n] for i, n in zip(ids, output_lens)]
+    return [results[i][:n] if i in results else None for i, n in zip(ids, output_lens)]
 
 
 def to_transformers(model: Decoder) -> Any:

@@ -99,3 +99,35 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeat
             dst.copy_(src)
             seconds.append(time.perf_counter() - start_time)
     return 2 * nbytes / statistics.median(seconds)
+
+
+def read_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 10) -> float:
+    """Measured read bandwidth in bytes/s: a sum over nbytes (default 1 GiB on a GPU, 256 MiB on a
+    CPU) reads every byte once and writes one number, the median of `repeats` timed sums after
+    one untimed. A copy also writes what it reads, and on a GPU reading alone runs a few percent
+    faster (SDPA decode reads K/V at 101-105 % of the copy rate on an H200): a roofline floor
+    priced at the copy rate alone would overstate the share of it an engine reaches."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    nbytes = nbytes if nbytes is not None else (2**30 if device.type == "cuda" else 2**28)
+    for name, value, least in (("nbytes", nbytes, 4), ("repeats", repeats, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    src.sum()  # first touch and kernel selection are not bandwidth
+    seconds = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        src.sum()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return src.numel() * 4 / statistics.median(seconds)
+
+
+def floor_bandwidth(device: torch.device | str) -> dict[str, float]:
+    """The rate a roofline floor is priced at: the highest of the copy rate (read + write bytes)
+    and the read rate measured here, both kept so a reader sees which one set it."""
+    copy, read = copy_bandwidth(device), read_bandwidth(device)
+    return dict(copy=copy, read=read, floor=max(copy, read))
