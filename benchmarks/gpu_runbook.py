@@ -1,55 +1,53 @@
-"""Every GPU number of chapters 9-12 in one command (README, "On a GPU").
+"""Every GPU number of the book in one command, inside one budget (README, "On a GPU").
 
-    python benchmarks/gpu_runbook.py --out DIR [--parts 1,2,...] [--device cuda|cpu] [--archive FILE.tar.gz]
-                                     [--wheels .whl] [--limit-scale 1.0]
+    python benchmarks/gpu_runbook.py --out DIR [--budget 540] [--parts smoke,roofline,...] [--device cuda|cpu]
+                                     [--archive FILE.tar.gz] [--wheels .whl] [--model SRC]
 
-Each part runs in a process of its own, in DIR (so the scripts write DIR/benchmarks/results/*.json
-and DIR/figures/*.png, ready to be copied into the repository), its output in DIR/NN_name.log,
-under its own time limit: a part that fails or runs out of time is killed with everything it
-started, reported, and the next part runs. DIR/runbook.json sums up: the machine (GPU, driver,
-CUDA, torch, Triton, transformers), each part's status, time and headline numbers. --archive
-packs DIR into one .tar.gz (the GPU machine returns a few files, not folders of them).
+Why one command: a lent GPU gives 15 minutes in all, start-up included, and at most 10 minutes per
+command. So the parts run in one call, in priority order, each under min(its limit, what is left of
+--budget), and nothing finished is lost when time runs out:
+- each part runs in a process group of its own, in DIR (its scripts write DIR/benchmarks/results/
+  *.json and DIR/figures/*.png, the names they have in the repository), its output in DIR/NN_name.log;
+  a part that fails or overruns is killed with everything it started, and the next part runs;
+- the parts' scripts save their results after every row, level or stage, marked "complete": false
+  until the last, so a part killed at its limit still reports the rows it finished;
+- DIR/runbook.json (the machine: GPU, driver, CUDA, torch, Triton, transformers; each part's status,
+  time and headline numbers) and the --archive (DIR packed into one .tar.gz: the GPU machine returns
+  files, not folders) are rewritten after every part.
 
- part               what                                                      H100 estimate  limit
- 1 smoke            Qwen3-0.6B shape: the default engine (graphs, fused, Triton)       ~50 s     80 s
-                    against the eager one: identical tokens in fp32; bf16 agreement
- 2 gpu_tests        the suite's GPU checks (pytest -m gpu): real capture, no sync      ~40 s     70 s
- 3 decode_kernel    chapter 8: the decode kernel against SDPA on dense K/V at batch    ~70 s    100 s
-                    64, 128-8,192 tokens, and against copy bandwidth (no split sweep,
-                    no FlexAttention, no engine run: part 5 runs the engine)
- 4 step_profile     chapter 9: one decode step at batch 256, contexts ~600: eager,     ~70 s    100 s
-                    graphs, graphs + fused (wall, GPU busy, launches per step)
- 5 roofline         the nano workload, every engine setting; transformers on the      ~190 s    230 s
-                    first 64 requests, and every setting on them too
- 6 prefix_caching   chapter 11, 256 requests, caching on against off                   ~90 s    150 s
- 7 serving          chapter 10 over HTTP: 1, 8, 32, 128 users, continuous against      ~90 s    120 s
-                    static, with the SLO columns (ladder_gpu lengths: nano's outputs
-                    would take minutes at 1 user)
+ priority part            what                                                   H200     limit
+ 1        smoke           Qwen3-0.6B shape: the default engine (graphs, fused,    41 s      60 s
+                          Triton) against the eager one, fp32 identical; bf16
+ 2        roofline        nano workload: graphs+fused, graphs, eager (each row   ~150 s    200 s
+                          saved as it ends), then transformers on 64 requests
+                          until the part's limit, counting what it finished
+ 3        serving         `minivllm serve` in its own process, `minivllm          ~90 s    120 s
+                          bench-serve` in another, 1, 8, 32, 128 users, 4
+                          requests per user per level; continuous, then static
+ 4        kernel          chapter 8: decode kernel vs SDPA and copy bandwidth     20 s      40 s
+ 5        gpu_checks      pytest -m gpu: fp32 against transformers or the eager   ~40 s     70 s
+                          engine (tests/test_gpu_checks.py and the chapters')
+ 6        step_profile    chapter 9: one decode step at batch 256, contexts       28 s      60 s
+                          ~600: eager, graphs, graphs + fused
+ 7        speculation     chapter 12: a verify step (k = 4) against a decode      15 s      40 s
+                          step at batch 1-256
+ 8        tour            minivllm tour on 64 ladder_gpu requests, each stage   (goal      170 s
+                          under a budget of its own                              <300 s)
+ 9        prefix_caching  chapter 11: 256 requests sharing a 200-token prompt;    65 s     120 s
+                          the shared-share sweep repeated until 0 % reads 1.0
 
-FastAPI, uvicorn, httpx and openai, which the server, its client and chapter 10's test modules
-import, are installed from --wheels (tools/fetch_wheels.py) before the first part that needs them
-(2 or 7), into a folder only those parts' processes see.
- 8 tour             minivllm tour --device cuda, 64 ladder_gpu requests               ~150 s    170 s
- 9 speculation      chapter 12: a verify step of 5 tokens per sequence against a       ~40 s     90 s
-                    decode step, batch 1-256, contexts ~600 (random weights: the
-                    acceptance numbers need the embedded model, on the CPU)
+The H200 column is what the part took on one H200 at 7d18199 (../shared measured/h200-2026-11-26),
+or an estimate from it; limits are 1.3-2x that. They sum to 880 s, more than the 540 s budget: the
+parts at the end get what the ones before leave, which on an H200 is about 150 s.
 
-How the estimates were made, from the shared notes' H100 measurements of chapters 1-8 (bf16,
-Qwen3-0.6B shape): an eager decode step at batch 256 took 33 ms and the engine ran the nano
-workload (139k output tokens) at 3,400-4,400 tok/s, ~35 s per run, which chapter 9's settings
-should not slow down; transformers' generate_batch ran 583 tok/s, ~60 s for the first 64 nano
-requests (36k tokens); capturing 20 batch-size buckets is ~60 forward passes, a few seconds per
-engine (chapter 11 builds ~20 engines); Triton compiles a kernel variant in about a second per
-dtype; the tour's early stages are launch-bound (26-110 tok/s) and run samples of 2-16
-requests. Each limit is 1.2-1.7x its estimate. The two calls keep the sum of their limits under
-9 minutes (500 s and 520 s), whatever happens inside them:
+Adding a part is one entry in PARTS (name, limit, what, and either `command`, a function of the
+run giving the argument list after `python`, or `function`, a function of the run that does the
+work in the part's own process), plus a `summarize` that reads its headline from the files it
+wrote. Its place in the list is its priority. A function part gets the Run: device, model
+arguments, DIR, its deadline (time.time()) and a `save` for results it writes row by row.
 
-    python3 benchmarks/gpu_runbook.py --out /tmp/gpu-a --parts 1,2,3,4,6 --archive $OUT/gpu-a.tar.gz
-    python3 benchmarks/gpu_runbook.py --out /tmp/gpu-b --parts 5,7,8 --archive $OUT/gpu-b.tar.gz
-    python3 benchmarks/gpu_runbook.py --out /tmp/gpu-c --parts 9 --archive $OUT/gpu-c.tar.gz    # chapters 12-14
-
-`--device cpu` is a dry run of the same code with the embedded model and tiny workloads (the
-test suite runs it: tests/test_gpu_runbook.py).
+`--device cpu` is a dry run of the same code with the embedded model (or --model) and tiny
+workloads, each part's torch on one thread (tests/test_gpu_runbook.py runs it).
 """
 from __future__ import annotations
 
@@ -59,63 +57,200 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MODEL = str(ROOT / "minivllm" / "configs" / "qwen3-0.6b.json")
-SERVING_MODULES = ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client")
+# Modules the serving part and the GPU checks import that a bare GPU machine lacks: installed from --wheels.
+EXTRA_MODULES = ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client", "xgrammar")
+
+
+@dataclass
+class Run:
+    """What a part is given: where it runs and until when."""
+
+    device: str  # "cuda", or "cpu" for the dry run
+    model: list[str]  # the --model arguments of the scripts that take one
+    out: Path  # DIR: the part's working directory
+    limit: float  # seconds this part may take: min(its limit, what is left of the budget)
+    deadline: float = field(default=0.0)  # time.time() by which it must have ended
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def save(self, name: str, payload: dict[str, Any], complete: bool) -> Path:
+        """Write DIR/benchmarks/results/<name>.json now (complete=False while rows are still coming)."""
+        path = self.out / "benchmarks" / "results" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(payload | {"complete": complete}, indent=2, default=str) + "\n")
+        partial.replace(path)
+        return path
 
 
 @dataclass(frozen=True)
 class Part:
-    number: int
     name: str
-    limit: float  # seconds, on a GPU and in the dry run alike
-    gpu: Callable[[list[str]], list[str]]  # its command line on a GPU, given the model's arguments
-    cpu: Callable[[list[str]], list[str]]  # the dry run's
-    summarize: Callable[[Path, str], dict[str, Any]]  # headline numbers from its results in DIR
-    serving_packages: bool = False  # imports FastAPI & co. (the server, or test modules that use it)
-
-    @property
-    def label(self) -> str:
-        return f"{self.number} {self.name}"
+    limit: float  # seconds on a GPU
+    what: str
+    summarize: Callable[[Run], dict[str, Any]]  # headline numbers from the files it wrote in DIR
+    command: Callable[[Run], list[str]] | None = None  # the arguments after `python`
+    function: Callable[[Run], None] | None = None  # or: work done in the part's own process
+    cpu_limit: float | None = None  # the dry run's limit, if not `limit`
+    extra_modules: bool = False  # imports FastAPI & co. or xgrammar (installed from --wheels)
 
 
 def script(*path: str) -> str:
     return str(ROOT.joinpath(*path))
 
 
-def results(out: Path, name: str) -> dict[str, Any]:
-    return json.loads((out / "benchmarks" / "results" / f"{name}.json").read_text())
+def results(run: Run, name: str) -> dict[str, Any]:
+    return json.loads((run.out / "benchmarks" / "results" / f"{name}.json").read_text())
 
 
-def smoke_summary(out: Path, device: str) -> dict[str, Any]:
-    payload = results(out, f"gpu_smoke_{device}")
-    return {dtype: f"{run['agreement']['identical_requests']}/{run['agreement']['requests']} requests identical, "
-                   f"{run['agreement']['tokens_before_first_difference']:.0%} of tokens before a difference"
-            for dtype, run in payload["runs"].items()}
+def completeness(payload: dict[str, Any]) -> dict[str, Any]:
+    """{"complete": False} for a results file its script did not finish, nothing otherwise."""
+    return {} if payload.get("complete", True) else {"complete": False}
 
 
-def tests_summary(out: Path, device: str) -> dict[str, Any]:
-    suite = ElementTree.parse(out / "gpu_tests.xml").getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
-    return counts | dict(passed=counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"])
+# ---- smoke ---------------------------------------------------------------------------------------------------
+
+def smoke_summary(run: Run) -> dict[str, Any]:
+    payload = results(run, f"gpu_smoke_{run.device}")
+    return {dtype: f"{r['agreement']['identical_requests']}/{r['agreement']['requests']} requests identical, "
+                   f"{r['agreement']['tokens_before_first_difference']:.0%} of tokens before a difference"
+            for dtype, r in payload["runs"].items()}
 
 
-def kernel_summary(out: Path, device: str) -> dict[str, Any]:
-    if device == "cpu":
-        return {"max error vs float64": max(results(out, "08_triton_kernel_cpu_check")["errors"].values())}
-    payload = results(out, "08_triton_kernel")
+def smoke(run: Run) -> list[str]:
+    return [script("benchmarks", "gpu_smoke.py"), "--device", run.device, *run.model,
+            *([] if run.gpu else ["--requests", "2", "--max-tokens", "4"])]
+
+
+# ---- roofline ------------------------------------------------------------------------------------------------
+
+def roofline(run: Run) -> list[str]:
+    size = ["--workload", "nano", "--peer-requests", "64"] if run.gpu else ["--workload", "tiny", "--requests", "4",
+                                                                             "--peer-requests", "2"]
+    return [script("benchmarks", "engine_roofline.py"), "--device", run.device, *run.model, *size,
+            "--peer-variants", "graphs+fused" if run.gpu else "eager", "--time-limit", f"{run.limit:.0f}"]
+
+
+def roofline_summary(run: Run) -> dict[str, Any]:
+    payload = results(run, f"09_roofline_{run.device}")
+    return {row["name"]: {"s": round(row["median_seconds"], 2), "tok/s": round(row["tokens_per_second"]),
+                          "of roofline": round(row["share_of_roofline"], 3), "requests": row["requests_finished"],
+                          "x transformers": row.get("speedup_over_transformers"),
+                          "same tokens": row["same_tokens_as_engine"]}
+            for row in payload["rows"]} | completeness(payload)
+
+
+# ---- serving: a server process and a load-generator process per level -----------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, server: subprocess.Popen, deadline: float) -> None:
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with status {server.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} was not healthy in time")
+
+
+def serving(run: Run) -> None:
+    """For each scheduler (continuous, then static batches of 16): start `minivllm serve` in a
+    process of its own, then run `minivllm bench-serve` once per level in another (at least 4
+    requests per user, so a level is a steady state rather than one burst), and save every level
+    as it ends. The server is in this part's process group: a part killed at its limit takes it along."""
+    levels = [1, 8, 32, 128] if run.gpu else [1, 2]
+    workload = "ladder_gpu" if run.gpu else "tiny"
+    name = f"10_serving_{'gpu' if run.gpu else 'cpu'}"
+    payload: dict[str, Any] = dict(benchmark="serving over HTTP: `minivllm serve` and `minivllm bench-serve`, "
+                                             "each in a process of its own", workload=workload, runs={})
+    settings = ["--num-kv-blocks", "16384"] if run.gpu else ["--threads", "1"]
+    for label, scheduler in (("continuous", []), ("static", ["--scheduler", "static", "--static-batch-size", "16"])):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = subprocess.Popen([sys.executable, "-m", "minivllm.cli", "serve", "--device", run.device, *run.model,
+                                   "--port", str(port), *settings, *scheduler], cwd=run.out)
+        try:
+            wait_until_healthy(url, server, min(run.deadline, time.time() + 120))
+            print(f"{label} server at {url}", flush=True)
+            done = payload["runs"].setdefault(label, [])
+            for users in levels:
+                scratch = run.out / "serving" / f"{label}_{users}"
+                scratch.mkdir(parents=True, exist_ok=True)
+                left = run.left() - 10
+                if left < 5:
+                    print(f"no time left for {label} at {users} users", flush=True)
+                    break
+                subprocess.run([sys.executable, "-m", "minivllm.cli", "bench-serve", "--url", url, "--concurrency",
+                                str(users), "--requests", str(max(4, 4 * users)), "--workload", workload,
+                                "--label", label, "--results", "level", "--figure", "level",
+                                "--deadline", f"{left:.0f}"], cwd=scratch, timeout=left + 5, check=True)
+                level = json.loads((scratch / "benchmarks" / "results" / "level.json").read_text())
+                done.extend(level["runs"]["concurrency"][label]["levels"])
+                run.save(name, payload, complete=False)
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    from minivllm.plots import save
+    from minivllm.plots.serving import plot_serving
+
+    save(plot_serving(payload["runs"], "concurrency", 0.5, 50.0, subtitle=f"workload {workload} (EOS ignored), "
+                      "server and load generator in processes of their own"), f"10_latency_vs_concurrency"
+         + ("_gpu" if run.gpu else ""))  # the process runs in DIR, so figures/ lands there
+    run.save(name, payload, complete=True)
+
+
+def serving_summary(run: Run) -> dict[str, Any]:
+    payload = results(run, f"10_serving_{'gpu' if run.gpu else 'cpu'}")
+    return {label: {"SLO held at users": [lv["concurrency"] for lv in levels if lv["slo_met"]],
+                    "TTFT p99 ms by users": {lv["concurrency"]: round(1e3 * lv["ttft"]["p99"]) if "ttft" in lv else None
+                                             for lv in levels},
+                    "tok/s by users": {lv["concurrency"]: round(lv["output_throughput"]) for lv in levels}}
+            for label, levels in payload["runs"].items()} | completeness(payload)
+
+
+# ---- the others ----------------------------------------------------------------------------------------------
+
+def kernel(run: Run) -> list[str]:
+    return [script("chapters", "08_triton_kernel.py"), "--device", run.device,
+            *(["--e2e-requests", "0", "--skip-flex", "--skip-split-sweep"] if run.gpu else [])]
+
+
+def kernel_summary(run: Run) -> dict[str, Any]:
+    if not run.gpu:
+        return {"max error vs float64": max(results(run, "08_triton_kernel_cpu_check")["errors"].values())}
+    payload = results(run, "08_triton_kernel")
     goals = payload["goals"]
     return {"copy bandwidth GB/s": round(payload["copy_bandwidth_gbs"]),
             "triton / SDPA by context": dict(zip(payload["contexts"], [None if r is None else round(r, 2)
@@ -123,101 +258,101 @@ def kernel_summary(out: Path, device: str) -> dict[str, Any]:
             "of copy at 64 x 4,096": goals["of_copy_at_target"]}
 
 
-def profile_summary(out: Path, device: str) -> dict[str, Any]:
-    payload = results(out, f"09_cuda_graphs_{device}")
-    return {p["variant"]: {"step ms": round(p["summary"]["wall_ms"], 2), "device busy ms": p["summary"]["device_busy_ms"],
+def gpu_checks(run: Run) -> list[str]:
+    return ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", script("tests"),
+            "--continue-on-collection-errors", "--junitxml", "gpu_tests.xml", "-rs"]
+
+
+def checks_summary(run: Run) -> dict[str, Any]:
+    suite = ElementTree.parse(run.out / "gpu_tests.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    return counts | dict(passed=counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"])
+
+
+def step_profile(run: Run) -> list[str]:
+    size = ["--batch-size", "256", "--context", "600"] if run.gpu else ["--batch-size", "4", "--context", "40",
+                                                                        "--steps", "2"]
+    return [script("chapters", "09_cuda_graphs.py"), "--device", run.device, *run.model, *size]
+
+
+def profile_summary(run: Run) -> dict[str, Any]:
+    payload = results(run, f"09_cuda_graphs_{run.device}")
+    return {p["variant"]: {"plain step ms": round(p["summary"]["plain_step_ms"], 2),
+                           "profiled step ms": round(p["summary"]["wall_ms"], 2),
+                           "device busy ms": round(p["summary"]["device_busy_ms"], 2),
                            p["count_label"]: p["summary"]["launches"], "same tokens": payload["same_tokens"][p["variant"]]}
             for p in payload["profiles"]}
 
 
-def roofline_summary(out: Path, device: str) -> dict[str, Any]:
-    return {row["name"]: {"tok/s": round(row["tokens_per_second"]), "of roofline": round(row["share_of_roofline"], 3),
-                          "x transformers": row["speedup_over_transformers"], "same tokens": row["same_tokens_as_engine"]}
-            for row in results(out, f"09_roofline_{device}")["rows"]}
+def speculation(run: Run) -> list[str]:
+    return [script("chapters", "12_speculative_decoding.py"), "--device", run.device, *run.model,
+            *(["--k", "4"] if run.gpu else ["--batches", "1", "2", "--k", "2"])]
 
 
-def prefix_summary(out: Path, device: str) -> dict[str, Any]:
-    headline = results(out, f"11_prefix_caching_{device}")["headline"]
+def speculation_summary(run: Run) -> dict[str, Any]:
+    payload = results(run, f"12_speculative_decoding_{run.device}")
+    return {"verify (k + 1 tokens) / decode by batch": {r["batch_size"]: round(r["ratio"], 2)
+                                                        for r in payload["verify_cost"]}}
+
+
+def tour(run: Run) -> None:
+    """`minivllm tour` with a time limit (run_tour's time_limit: each stage an equal share of what
+    is left, launch-bound stages sampled group by group within it)."""
+    from minivllm.bench.tour import run_tour
+
+    source = run.model[1] if run.model else None
+    size = (dict(num_requests=64, check=2) if run.gpu else
+            dict(workload="tiny", num_requests=3, check=1, stages=["naive", "paged", "continuous", "cuda_graphs"],
+                 peers=False))
+    run_tour(source, device=run.device, time_limit=max(run.left() - 15, 1), **size)
+
+
+def tour_summary(run: Run) -> dict[str, Any]:
+    payload = results(run, f"tour_{run.device}_{'ladder_gpu' if run.gpu else 'tiny'}")
+    return {row["name"]: f"{row['tokens_per_second']:,.0f} tok/s, {row['speedup']:.1f}x, {row['agrees']}"
+            for row in payload["rows"]} | {"seconds": round(payload["tour_seconds"])} | completeness(payload)
+
+
+def prefix_caching(run: Run) -> list[str]:
+    # The sweep's runs are ~30 ms each on a GPU: 5 interleaved repeats bring its 0 %-shared row, the
+    # same work with the cache on and off, to 1.0 within the noise.
+    size = (["--requests", "256", "--repeats", "2", "--rate", "64", "--shares", "0", "0.3", "0.6", "0.9",
+             "--sweep-repeats", "5", "--chat-repeats", "1"] if run.gpu else
+            ["--requests", "4", "--prefix", "16", "--repeats", "1", "--rate", "50", "--shares", "0", "0.5",
+             "--sweep-prompt", "32", "--sweep-requests", "2", "--sweep-repeats", "1", "--conversations", "2",
+             "--turns", "2", "--chat-repeats", "1"])
+    return [script("chapters", "11_prefix_caching.py"), "--device", run.device, *run.model, *size]
+
+
+def prefix_summary(run: Run) -> dict[str, Any]:
+    payload = results(run, f"11_prefix_caching_{run.device}")
+    headline, sweep = payload["headline"], payload["sweep"]
     counts = headline["counts"]
     return {"prompt tokens computed on / off": f"{counts['caching on']['prompt_tokens_computed']} / "
                                                 f"{counts['caching off']['prompt_tokens_computed']}",
             "TTFT p50 off / on (all at once)": round(headline["speedups"]["at_once"]["ttft_p50"], 2),
             "throughput on / off": round(headline["speedups"]["at_once"]["tokens_per_second"], 2),
+            "sweep TTFT p50 off / on by share": {share: round(s["ttft_p50"], 2)
+                                                 for share, s in zip(sweep["shares"], sweep["speedups"])},
             "same tokens": headline["same_tokens"]}
 
 
-def serving_summary(out: Path, device: str) -> dict[str, Any]:
-    runs = results(out, f"10_serving_chapter_{device}")["runs"]["concurrency"]
-    return {label: {"SLO held up to": run["highest_level_meeting_slo"],
-                    "TTFT p99 ms by users": {lv["concurrency"]: round(1e3 * lv["ttft"]["p99"]) if "ttft" in lv else None
-                                             for lv in run["levels"]},
-                    "tok/s by users": {lv["concurrency"]: round(lv["output_throughput"]) for lv in run["levels"]}}
-            for label, run in runs.items()}
-
-
-def tour_summary(out: Path, device: str) -> dict[str, Any]:
-    payload = results(out, f"tour_{device}_{'ladder_gpu' if device == 'cuda' else 'tiny'}")
-    return {row["name"]: f"{row['tokens_per_second']:,.0f} tok/s, {row['speedup']:.1f}x, {row['agrees']}"
-            for row in payload["rows"]} | {"seconds": round(payload["tour_seconds"])}
-
-
-def speculation_summary(out: Path, device: str) -> dict[str, Any]:
-    payload = results(out, f"12_speculative_decoding_{device}")
-    return {"verify (k + 1 tokens) / decode by batch": {r["batch_size"]: round(r["ratio"], 2)
-                                                        for r in payload["verify_cost"]}}
-
-
-PARTS = [
-    Part(1, "smoke", 80, lambda m: [script("benchmarks", "gpu_smoke.py"), "--device", "cuda", *m],
-         lambda m: [script("benchmarks", "gpu_smoke.py"), "--device", "cpu", *m, "--requests", "2", "--max-tokens", "4"],
-         smoke_summary),
-    # Collecting the suite imports every test module, chapter 10's need FastAPI & co.; a module that cannot be
-    # imported is reported (errors in the summary) and the GPU checks run anyway.
-    Part(2, "gpu_tests", 70, lambda m: ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", script("tests"),
-                                        "--continue-on-collection-errors", "--junitxml", "gpu_tests.xml"],
-         lambda m: ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", script("tests"),
-                    "--continue-on-collection-errors", "--junitxml", "gpu_tests.xml"],
-         tests_summary, serving_packages=True),
-    Part(3, "decode_kernel", 100, lambda m: [script("chapters", "08_triton_kernel.py"), "--device", "cuda",
-                                             "--e2e-requests", "0", "--skip-flex", "--skip-split-sweep"],
-         lambda m: [script("chapters", "08_triton_kernel.py"), "--device", "cpu"],
-         kernel_summary),
-    Part(4, "step_profile", 100, lambda m: [script("chapters", "09_cuda_graphs.py"), "--device", "cuda", *m,
-                                            "--batch-size", "256", "--context", "600"],
-         lambda m: [script("chapters", "09_cuda_graphs.py"), "--device", "cpu", *m, "--batch-size", "4", "--context",
-                    "40", "--steps", "2"],
-         profile_summary),
-    Part(5, "roofline", 230, lambda m: [script("benchmarks", "engine_roofline.py"), "--device", "cuda", *m,
-                                        "--workload", "nano", "--peer-requests", "64"],
-         lambda m: [script("benchmarks", "engine_roofline.py"), "--device", "cpu", *m, "--workload", "tiny",
-                    "--requests", "4", "--peer-requests", "2"],
-         roofline_summary),
-    Part(6, "prefix_caching", 150, lambda m: [script("chapters", "11_prefix_caching.py"), "--device", "cuda", *m,
-                                              "--requests", "256", "--repeats", "2", "--rate", "64", "--shares", "0",
-                                              "0.3", "0.6", "0.9", "--sweep-repeats", "1", "--chat-repeats", "1"],
-         lambda m: [script("chapters", "11_prefix_caching.py"), "--device", "cpu", *m, "--requests", "4", "--prefix",
-                    "16", "--repeats", "1", "--rate", "50", "--shares", "0", "0.5", "--sweep-prompt", "32",
-                    "--sweep-requests", "2", "--sweep-repeats", "1", "--conversations", "2", "--turns", "2",
-                    "--chat-repeats", "1"],
-         prefix_summary),
-    Part(7, "serving", 120, lambda m: [script("chapters", "10_serving.py"), "--device", "cuda", *m, "--workload",
-                                       "ladder_gpu", "--concurrency", "1,8,32,128", "--requests-per-level",
-                                       "8,16,64,128", "--num-kv-blocks", "16384"],
-         lambda m: [script("chapters", "10_serving.py"), "--device", "cpu", *m, "--workload", "tiny", "--concurrency",
-                    "1,2", "--requests-per-level", "2", "--static-batch-size", "2"],
-         serving_summary, serving_packages=True),
-    Part(8, "tour", 170, lambda m: ["-m", "minivllm.cli", "tour", "--device", "cuda", *m, "--requests", "64",
-                                    "--check", "2"],
-         lambda m: ["-m", "minivllm.cli", "tour", "--device", "cpu", *m, "--workload", "tiny", "--requests", "3",
-                    "--check", "1", "--stages", "naive,paged,continuous,cuda_graphs", "--no-peers"],
-         tour_summary),
-    Part(9, "speculation", 90, lambda m: [script("chapters", "12_speculative_decoding.py"), "--device", "cuda", *m,
-                                          "--k", "4"],
-         lambda m: [script("chapters", "12_speculative_decoding.py"), "--device", "cpu", *m, "--batches", "1", "2",
-                    "--k", "2"],
-         speculation_summary),
+PARTS: list[Part] = [  # in priority order: the budget runs out at the end of this list
+    Part("smoke", 60, "default engine against eager, fp32 and bf16", smoke_summary, command=smoke),
+    Part("roofline", 200, "nano workload against its memory floor", roofline_summary, command=roofline),
+    Part("serving", 120, "server and load generator over HTTP, 1-128 users", serving_summary, function=serving,
+         extra_modules=True),
+    Part("kernel", 40, "decode kernel against SDPA", kernel_summary, command=kernel, cpu_limit=60),
+    Part("gpu_checks", 70, "pytest -m gpu", checks_summary, command=gpu_checks, extra_modules=True),
+    Part("step_profile", 60, "one decode step: eager, graphs, graphs+fused", profile_summary, command=step_profile),
+    Part("speculation", 40, "verify step against decode step", speculation_summary, command=speculation),
+    Part("tour", 170, "the ladder, every stage under a budget", tour_summary, function=tour),
+    Part("prefix_caching", 120, "shared prompts, caching on against off", prefix_summary, command=prefix_caching),
 ]
 
+
+# ---- running the parts ---------------------------------------------------------------------------------------
 
 def machine(device: str) -> dict[str, Any]:
     """What the numbers were measured on: the GPU and its driver, the software, this tree."""
@@ -225,7 +360,8 @@ def machine(device: str) -> dict[str, Any]:
     import transformers
 
     info: dict[str, Any] = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-                                transformers=transformers.__version__, cpu_cores=os.cpu_count(), device=device)
+                                transformers=transformers.__version__, cpu_cores=os.cpu_count(), device=device,
+                                load_average=os.getloadavg())
     info["triton"] = importlib.util.find_spec("triton") and __import__("triton").__version__
     if device == "cuda":  # from nvidia-smi: this process holds no CUDA context while the parts run
         gpu = run_quietly(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
@@ -244,52 +380,61 @@ def run_quietly(command: list[str]) -> str | None:
     return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
 
 
-def serving_packages(wheels: Path, log: Path) -> tuple[str, str | None]:
-    """(what happened, a folder to put on the serving part's PYTHONPATH). The server and its
-    client need FastAPI, uvicorn, httpx and openai; a GPU machine without a registry gets them
-    from the wheels tools/fetch_wheels.py downloaded, installed into a folder of their own."""
-    missing = [name for name in SERVING_MODULES if importlib.util.find_spec(name) is None]
+def extra_packages(wheels: Path, log: Path) -> tuple[str, str | None]:
+    """(what happened, a folder to put on the parts' PYTHONPATH). The server, its client and
+    chapter 13 need FastAPI, uvicorn, httpx, openai and xgrammar; a GPU machine without a registry
+    gets them from the wheels tools/fetch_wheels.py downloaded, installed into a folder of their own."""
+    missing = [name for name in EXTRA_MODULES if importlib.util.find_spec(name) is None]
     if not missing:
         return "installed already", None
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not found:
         return f"missing {', '.join(missing)}, and no wheels in {wheels} (run tools/fetch_wheels.py where pip works)", None
-    site = tempfile.mkdtemp(prefix="minivllm-serving-")
+    site = tempfile.mkdtemp(prefix="minivllm-wheels-")
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                "--disable-pip-version-check", "--target", site, *map(str, found)]
     with log.open("w") as output:
-        done = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, timeout=300)
+        done = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, timeout=120)
     if done.returncode:
         return f"pip could not install the {len(found)} wheels of {wheels} (see {log.name})", None
     return f"installed {len(found)} wheels from {wheels}", site
 
 
-def run_part(part: Part, device: str, model: list[str], out: Path, limit: float,
-             extra_path: str | None) -> dict[str, Any]:
-    """Run one part in its own process group under `limit` seconds; kill the group if it overruns.
-    model: the --model arguments of the parts that take one; extra_path: a folder to put first
-    on its PYTHONPATH (the serving packages)."""
-    command = [sys.executable, *(part.gpu(model) if device == "cuda" else part.cpu(model))]
+def part_environment(device: str, extra_path: str | None) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (extra_path, str(ROOT), os.environ.get("PYTHONPATH")) if p))
     if device == "cuda":
         env.pop("TRITON_INTERPRET", None)  # GPU parts compile their kernels
-    log = out / f"{part.number:02d}_{part.name}.log"
+    else:
+        # One thread per part. torch starts one per core, and on a small machine busy with other
+        # work its threads wait for each other at every operator (a barrier per call): a dry-run
+        # step of the tiny model measured 359 ms that way on a loaded 2-core machine.
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
+def run_part(part: Part, number: int, run: Run, extra_path: str | None) -> dict[str, Any]:
+    """Run one part in its own process group until run.deadline; kill the group if it overruns."""
+    if part.command:
+        command = [sys.executable, *part.command(run)]
+    else:
+        command = [sys.executable, str(Path(__file__).resolve()), "--run-part", part.name, "--out", str(run.out),
+                   "--device", run.device, "--part-limit", f"{run.limit}", *run.model]
+    log = run.out / f"{number:02d}_{part.name}.log"
     start = time.perf_counter()
     with log.open("w") as output:
-        process = subprocess.Popen(command, cwd=out, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(command, cwd=run.out, env=part_environment(run.device, extra_path), stdout=output,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            returncode = process.wait(timeout=limit)
+            returncode = process.wait(timeout=max(run.left(), 0))
             status = "ok" if returncode == 0 else f"failed (exit status {returncode})"
         except subprocess.TimeoutExpired:
             stop(process)
-            status = f"timed out after {limit:.0f} s"
-    seconds = time.perf_counter() - start
-    row: dict[str, Any] = dict(part=part.number, name=part.name, status=status, seconds=round(seconds, 1),
-                               limit=round(limit), command=command, log=log.name)
+            status = f"timed out after {run.limit:.0f} s"
+    row: dict[str, Any] = dict(part=number, name=part.name, status=status, seconds=round(time.perf_counter() - start, 1),
+                               limit=round(run.limit), command=command, log=log.name)
     try:
-        row["summary"] = part.summarize(out, device)
+        row["summary"] = part.summarize(run)
     except Exception as error:  # the part failed before writing them, or wrote something else
         row["summary"] = {"results": f"not readable: {type(error).__name__}: {error}"}
     return row
@@ -297,7 +442,7 @@ def run_part(part: Part, device: str, model: list[str], out: Path, limit: float,
 
 def stop(process: subprocess.Popen) -> None:
     """End a part's process group (it started it: servers, workers): politely, then for good."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+    for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
@@ -310,83 +455,97 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def parse_parts(text: str) -> list[Part]:
-    by_number = {part.number: part for part in PARTS}
-    try:
-        numbers = [int(n) for n in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated part numbers, got {text!r}")
-    unknown = [n for n in numbers if n not in by_number]
-    if unknown or len(set(numbers)) != len(numbers):
-        raise argparse.ArgumentTypeError(f"parts are {', '.join(map(str, by_number))}, each once; got {text!r}")
-    return [by_number[n] for n in sorted(numbers)]
+    """Part names (or numbers, 1-based, in priority order), comma-separated; run in priority order."""
+    names = [part.name for part in PARTS]
+    chosen = []
+    for item in text.split(","):
+        item = item.strip()
+        name = names[int(item) - 1] if item.isdigit() and 1 <= int(item) <= len(names) else item
+        if name not in names or name in chosen:
+            raise argparse.ArgumentTypeError(f"parts are {', '.join(names)} (or 1-{len(names)}), each once; "
+                                             f"got {text!r}")
+        chosen.append(name)
+    return [part for part in PARTS if part.name in chosen]
+
+
+def pack(out: Path, archive: Path) -> None:
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(archive.name + ".partial")
+    with tarfile.open(partial, "w:gz") as packed:
+        packed.add(out, arcname=out.name, filter=lambda info: None if Path(info.name).name in (archive.name, partial.name)
+                   else info)
+    partial.replace(archive)
+
+
+def run_one_function_part(args: argparse.Namespace, model: list[str]) -> int:
+    """The process of a function part (`--run-part NAME`)."""
+    part = next(p for p in PARTS if p.name == args.run_part)
+    run = Run(args.device, model, args.out.resolve(), args.part_limit, time.time() + args.part_limit)
+    part.function(run)
+    return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the results, figures, logs and summary")
-    parser.add_argument("--parts", type=parse_parts, default=PARTS, help="comma-separated part numbers (default: all)")
+    parser.add_argument("--budget", type=float, default=540, help="seconds for all the parts together (default 540)")
+    parser.add_argument("--parts", type=parse_parts, default=PARTS, help="comma-separated part names (default: all)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run with tiny sizes")
-    parser.add_argument("--archive", type=Path, default=None, help="also pack DIR into this .tar.gz at the end")
-    parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="wheels for the serving part (fetch_wheels)")
-    parser.add_argument("--limit-scale", type=float, default=1.0, help="multiply every part's time limit by this")
+    parser.add_argument("--archive", type=Path, default=None, help="also pack DIR into this .tar.gz after every part")
+    parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="wheels for FastAPI & co. (fetch_wheels)")
+    parser.add_argument("--limit-scale", type=float, default=1.0, help="multiply every part's limit by this")
     parser.add_argument("--model", default=None, help="the model of the parts that take one (default: the Qwen3-0.6B "
                                                       "shape on a GPU, the embedded model on a CPU)")
+    parser.add_argument("--run-part", default=None, help=argparse.SUPPRESS)  # a function part's own process
+    parser.add_argument("--part-limit", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if not args.limit_scale > 0:
-        parser.error("--limit-scale must be positive")
+    if not args.limit_scale > 0 or not args.budget > 0:
+        parser.error("--budget and --limit-scale must be positive")
+    source = args.model or (GPU_MODEL if args.device == "cuda" else None)
+    model = ["--model", str(Path(source).resolve()) if Path(source).exists() else source] if source else []
+    if args.run_part:
+        return run_one_function_part(args, model)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device here (--device cpu is the dry run)")
-    source = args.model or (GPU_MODEL if args.device == "cuda" else None)
-    model = ["--model", str(Path(source).resolve()) if Path(source).exists() else source] if source else []
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         parser.error(f"{out} is not empty: give the runbook a new folder")
 
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    started = time.perf_counter()
-    summary: dict[str, Any] = dict(created=time.strftime("%Y-%m-%d %H:%M:%S"), command=sys.argv,
+    started = time.time()
+    end = started + args.budget
+    summary: dict[str, Any] = dict(created=time.strftime("%Y-%m-%d %H:%M:%S"), command=sys.argv, budget=args.budget,
                                    machine=machine(args.device), parts=[])
-    console.print(f"[bold]runbook[/] parts {', '.join(p.label for p in args.parts)} on {args.device}; "
-                  f"limits sum to {sum(p.limit for p in args.parts) * args.limit_scale:.0f} s; writing to {out}")
+    print(f"runbook: {', '.join(p.name for p in args.parts)} on {args.device}, budget {args.budget:.0f} s; "
+          f"writing to {out}", flush=True)
     extra_path = None
-    for part in args.parts:
-        if part.serving_packages and "serving_packages" not in summary:  # once, before the first part that needs them
-            summary["serving_packages"], extra_path = serving_packages(args.wheels, out / "wheels.log")
-            console.print(f"serving packages: {summary['serving_packages']}")
-        console.print(f"[bold]part {part.label}[/] (limit {part.limit * args.limit_scale:.0f} s) ...")
-        row = run_part(part, args.device, model, out, part.limit * args.limit_scale,
-                       extra_path if part.serving_packages else None)
+    for number, part in enumerate(args.parts, 1):
+        if part.extra_modules and "extra_packages" not in summary:  # once, before the first part that needs them
+            summary["extra_packages"], extra_path = extra_packages(args.wheels, out / "wheels.log")
+            print(f"packages: {summary['extra_packages']}", flush=True)
+        own = (part.limit if args.device == "cuda" else part.cpu_limit or part.limit) * args.limit_scale
+        limit = min(own, end - time.time())
+        if limit < 5:
+            row = dict(part=number, name=part.name, status="not run: the budget was spent", seconds=0, limit=0)
+        else:
+            print(f"part {number} {part.name} (limit {limit:.0f} s) ...", flush=True)
+            run = Run(args.device, model, out, limit, time.time() + limit)
+            row = run_part(part, number, run, extra_path if part.extra_modules else None)
         summary["parts"].append(row)
-        summary["seconds"] = round(time.perf_counter() - started, 1)
+        summary["seconds"] = round(time.time() - started, 1)
         (out / "runbook.json").write_text(json.dumps(summary, indent=2, default=str, ensure_ascii=False) + "\n")
-        colour = "green" if row["status"] == "ok" else "red"
-        headline = json.dumps(row["summary"], default=str, ensure_ascii=False)
-        console.print(f"  [{colour}]{row['status']}[/] in {row['seconds']:.0f} s: {headline}")
-        if row["status"] != "ok":
-            tail = (out / row["log"]).read_text(errors="replace").splitlines()[-15:]
-            console.print("  last lines of its log:\n    " + "\n    ".join(tail), markup=False, highlight=False)
-
-    table = Table(title=f"runbook on {summary['machine'].get('gpu', args.device)} "
-                        f"({summary['seconds']:.0f} s): {out / 'runbook.json'}")
-    for column in ("part", "status", "seconds", "limit", "headline"):
-        table.add_column(column, overflow="fold")
-    for row in summary["parts"]:
-        table.add_row(f"{row['part']} {row['name']}", row["status"], f"{row['seconds']:.0f}", str(row["limit"]),
-                      json.dumps(row["summary"], default=str, ensure_ascii=False))
-    console.print(table)
-    if args.archive:
-        args.archive.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(args.archive, "w:gz") as archive:
-            archive.add(out, arcname=out.name, filter=lambda info: None if Path(info.name).name == args.archive.name
-                        else info)
-        console.print(f"packed {out} into {args.archive} ({args.archive.stat().st_size / 2**20:.1f} MiB)")
+        if args.archive:
+            pack(out, args.archive)
+        print(f"  {row['status']} in {row['seconds']:.0f} s: "
+              f"{json.dumps(row.get('summary', {}), default=str, ensure_ascii=False)}", flush=True)
+        if row["status"] not in ("ok",) and "log" in row:
+            tail = (out / row["log"]).read_text(errors="replace").splitlines()[-12:]
+            print("  last lines of its log:\n    " + "\n    ".join(tail), flush=True)
+    print(f"runbook done in {time.time() - started:.0f} s of {args.budget:.0f}: {out / 'runbook.json'}"
+          + (f", packed into {args.archive}" if args.archive else ""), flush=True)
     return 0 if all(row["status"] == "ok" for row in summary["parts"]) else 1
 
 

@@ -104,3 +104,41 @@ def test_on_a_gpu_the_launch_bound_stages_always_run_a_sample():
         assert tour.sample_size(name, work, on_gpu=False) is None
     assert tour.sample_size("continuous", work, on_gpu=True) is None
     assert tour.sample_size("naive", work.subset(2), on_gpu=True) is None  # all of it already
+
+
+def test_a_time_limit_cuts_samples_and_every_row_is_saved_as_it_ends(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """Under a time limit a sampled stage runs at least one group and stops when its share is
+    spent; the results are saved after every stage, marked incomplete until the last, and each
+    row is printed as a plain line when it ends."""
+    import minivllm.bench.tour as tour
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tour, "LARGE_WORKLOAD_TOKENS", 0)  # the tiny workload counts as large: naive is sampled
+    monkeypatch.setattr(tour, "MIN_STAGE_SECONDS", float("-inf"))  # no stage skipped, however late
+    saved = []
+    real_save = tour.save_results
+    monkeypatch.setattr(tour, "save_results", lambda name, payload, complete=None: saved.append(
+        ([r["name"] for r in payload["rows"]], complete)) or real_save(name, payload, complete))
+    payload = tour.run_tour(tiny_checkpoint, device="cpu", workload="tiny", num_requests=6, stages=["naive", "paged"],
+                            check=2, peers=False, time_limit=1e-3)
+    rows = {r["name"]: r for r in payload["rows"]}
+    assert rows["naive"]["note"] == "ran 1 of 6 requests, rate extrapolated (its time budget ended the sample)"
+    assert rows["naive"]["useful_tokens"] == payload["workload"]["output_lens"][0]
+    assert rows["naive"]["agrees"] == "✓" and rows["paged"]["agrees"] == "✓"
+    assert saved == [(["naive"], False), (["naive", "paged"], False), (["naive", "paged"], True)]
+    printed = capsys.readouterr().out
+    assert "naive: " in printed and "paged: " in printed
+
+
+def test_a_stage_with_no_time_left_is_skipped_and_named(tiny_checkpoint, tmp_path, monkeypatch):
+    import minivllm.bench.tour as tour
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tour, "MIN_STAGE_SECONDS", 1e9)
+    payload = tour.run_tour(tiny_checkpoint, device="cpu", workload="tiny", num_requests=2, stages=["naive", "paged"],
+                            check=1, peers=False, time_limit=5)
+    saved = json.loads((tmp_path / "benchmarks/results/tour_cpu_tiny.json").read_text())
+    assert saved["rows"] == [] and saved["skipped"] == ["naive", "paged"] and saved["complete"] is True
+    for bad in (0, -1, True, "5"):
+        with pytest.raises(ValueError, match="time_limit"):
+            tour.run_tour(tiny_checkpoint, device="cpu", workload="tiny", time_limit=bad)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from rich.progress import Progress
 
 from minivllm import plots
 from minivllm.bench.harness import (StageResult, console, format_bytes, format_tokens_per_second, run_stage,
@@ -38,6 +38,11 @@ LARGE_WORKLOAD_TOKENS = 20_000
 # properties and extrapolate as well. (Chunked prefill attends segment by segment, one launch per
 # sequence per layer: on an H100 it did not finish 32 nano requests in 250 s; 8 is one batch.)
 GPU_SAMPLED_STAGES = {"naive": 2, "kv_cache": 4, "static_batch": 16, "ragged_batch": 16, "chunked_prefill": 8}
+# The groups those stages serve one after another (the batch stages' default batch size): a sample
+# grows a group at a time while the stage's time budget lasts.
+SAMPLE_GROUP = {"naive": 1, "kv_cache": 1, "static_batch": 8, "ragged_batch": 8, "chunked_prefill": 8}
+# Under a time limit, a stage left with less than this is skipped rather than measured on nothing.
+MIN_STAGE_SECONDS = 2.0
 # What `minivllm tour --device cuda` runs when not told otherwise: a real model shape (random
 # weights) and a workload sized so that every stage's lesson shows and the whole ladder,
 # transformers included, fits in about five minutes on one H100.
@@ -60,9 +65,11 @@ def reference_outputs(hf: Any, workload: Workload, sample: list[int]) -> dict[in
     return outputs
 
 
-def peer_runners(hf: Any, batch_size: int = 16) -> dict[str, Any]:
+def peer_runners(hf: Any, batch_size: int = 16, deadline: Callable[[], float | None] = lambda: None) -> dict[str, Any]:
     """transformers' own batched generation, wrapped like a stage (same prompts and lengths).
-    Its continuous batching is left out, with a note, where the installed transformers has none."""
+    Its continuous batching is left out, with a note, where the installed transformers has none;
+    it stops at deadline() (a time.perf_counter() value, or None), and the requests it had not
+    finished by then come back empty."""
 
     def static(model: Decoder, prompts: list[list[int]], lens: list[int], stats: StageStats) -> list[list[int]]:
         needed, padded = token_positions(prompts, lens, batch_size)  # padded rectangles: count that work
@@ -72,7 +79,7 @@ def peer_runners(hf: Any, batch_size: int = 16) -> dict[str, Any]:
 
     def continuous(model: Decoder, prompts: list[list[int]], lens: list[int], stats: StageStats) -> list[list[int]]:
         stats.token_slots += token_positions(prompts, lens, batch_size)[0]
-        return hf_generate_batch(hf, prompts, lens)
+        return [out or [] for out in hf_generate_batch(hf, prompts, lens, deadline=deadline())]
 
     runners = {f"transformers generate (static, batch {batch_size})": static}
     if reason := continuous_batching_unavailable():
@@ -84,8 +91,9 @@ def peer_runners(hf: Any, batch_size: int = 16) -> dict[str, Any]:
 
 def agreement(result: StageResult, reference: dict[int, list[int]]) -> str:
     """'✓' when every sampled request the stage ran has transformers' tokens, else '✗ k/n'.
-    (A stage run on a sample of the workload is checked on the requests it ran.)"""
-    checked = [i for i in reference if i < len(result.outputs)]
+    (A stage run on a sample of the workload, or stopped at its budget, is checked on the
+    requests it finished: an empty output is one it never ran, as EOS is ignored.)"""
+    checked = [i for i in reference if i < len(result.outputs) and result.outputs[i]]
     same = sum(result.outputs[i] == reference[i] for i in checked)
     return "✓" if same == len(checked) else f"✗ {same}/{len(checked)}"
 
@@ -93,11 +101,20 @@ def agreement(result: StageResult, reference: dict[int, list[int]]) -> str:
 def run_tour(
     source: Any = None, device: str | None = None, dtype: torch.dtype | None = None, workload: str | None = None,
     stages: list[str] | None = None, num_requests: int | None = None, seed: int = 0, check: int = 4,
-    figure: str | None = None, results_name: str | None = None, peers: bool = True,
+    figure: str | None = None, results_name: str | None = None, peers: bool = True, time_limit: float | None = None,
 ) -> dict[str, Any]:
-    """Run the ladder; returns the JSON payload (also written to benchmarks/results/). On a GPU
-    the model defaults to the Qwen3-0.6B shape and the workload to "ladder_gpu"."""
+    """Run the ladder; returns the JSON payload (also written to benchmarks/results/ after every
+    stage, "complete": false until the last). On a GPU the model defaults to the Qwen3-0.6B shape
+    and the workload to "ladder_gpu".
+
+    time_limit: seconds for the whole tour. Each stage then gets an equal share of what is left
+    when it starts: a sampled stage runs one group of requests after another until its share is
+    spent (at least one group), transformers' continuous batching stops at it, and a stage that
+    starts with under MIN_STAGE_SECONDS left is skipped and named in the results."""
     started = time.perf_counter()
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
+                                   or not time_limit > 0):
+        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     on_gpu = (device or default_device()) == "cuda"
     if on_gpu and source is None:
         source = CONFIGS / GPU_DEFAULT_MODEL  # the embedded 4M model would measure only launch overhead
@@ -119,41 +136,56 @@ def run_tour(
     hf = to_transformers(model)
     with console.status("transformers reference for the agreement check..."):
         reference = reference_outputs(hf, work, sample)
-    runners = {name: STAGES[name] for name in stages} | (peer_runners(hf) if peers else {})
-
+    end = started + time_limit if time_limit else None
+    stage_end: list[float | None] = [None]  # the running stage's deadline, read by transformers' runner
+    runners = {name: STAGES[name] for name in stages} | (peer_runners(hf, deadline=lambda: stage_end[0]) if peers
+                                                         else {})
+    kind = model.device.type
+    name_of_results = results_name or f"tour_{kind}_{workload}"
     rows: list[dict[str, Any]] = []
-    with Progress(console=console) as progress:
-        task = progress.add_task("stages", total=len(runners))
-        for name, generate in runners.items():
-            progress.update(task, description=name)
-            rows.append(_run_one(name, generate, model, work, reference))
-            progress.advance(task)
-    del hf
-
-    base = next((r for r in rows if r["name"] == "naive"), rows[0])
-    for r in rows:
-        r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"]
-    env = environment(model)
-    payload = dict(environment=env, workload=dict(name=work.name, description=work.describe(), seed=seed,
+    payload = dict(environment=environment(model), workload=dict(name=work.name, description=work.describe(), seed=seed,
                    prompt_lens=[len(p) for p in work.prompts], output_lens=work.output_lens),
                    kv_bytes_per_token=model.config.kv_bytes_per_token(model.dtype), rows=rows,
-                   created=time.strftime("%Y-%m-%d %H:%M:%S"), tour_seconds=time.perf_counter() - started)
+                   created=time.strftime("%Y-%m-%d %H:%M:%S"), time_limit=time_limit, skipped=[])
+    for left_to_run, (name, generate) in enumerate(runners.items()):
+        budget = None if end is None else (end - time.perf_counter()) / (len(runners) - left_to_run)
+        if budget is not None and budget < MIN_STAGE_SECONDS:
+            payload["skipped"].append(name)
+            console.print(f"{name}: skipped, {budget:.1f} s of the tour's time limit left for it")
+            continue
+        stage_start = time.perf_counter()
+        stage_end[0] = None if budget is None else stage_start + budget
+        rows.append(_run_one(name, generate, model, work, reference, stage_end[0]))
+        base = next((r for r in rows if r["name"] == "naive"), rows[0])
+        for r in rows:
+            r["speedup"] = r["tokens_per_second"] / base["tokens_per_second"]
+        payload["tour_seconds"] = time.perf_counter() - started
+        save_results(name_of_results, payload, complete=False)  # a tour stopped later keeps this row
+        r = rows[-1]
+        console.print(f"{name}: {format_tokens_per_second(r['tokens_per_second'])} useful tok/s, "
+                      f"{r['speedup']:.1f}x naive, same tokens as transformers {r['agrees']}, "
+                      f"{time.perf_counter() - stage_start:.1f} s" + (f" ({r['note']})" if r["note"] else ""))
+    del hf
+
+    payload["tour_seconds"] = time.perf_counter() - started
     _print_table(payload)
-    kind = model.device.type
-    path = save_results(results_name or f"tour_{kind}_{workload}", payload)
-    fig_path = plots.save(_ladder_figure(payload), figure or ("ladder" if kind == "cpu" else f"ladder_{kind}"))
-    console.print(f"saved {path} and {fig_path} (the whole tour took {payload['tour_seconds']:.0f} s)")
+    path = save_results(name_of_results, payload, complete=True)
+    drawn = (f" and {plots.save(_ladder_figure(payload), figure or ('ladder' if kind == 'cpu' else f'ladder_{kind}'))}"
+             if rows else ", no figure: no stage ran")
+    console.print(f"saved {path}{drawn} (the whole tour took {payload['tour_seconds']:.0f} s)")
     return payload
 
 
-def _run_one(name: str, generate: Any, model: Decoder, work: Workload, reference: dict[int, list[int]]) -> dict[str, Any]:
+def _run_one(name: str, generate: Any, model: Decoder, work: Workload, reference: dict[int, list[int]],
+             deadline: float | None) -> dict[str, Any]:
+    """One stage's row. `deadline` (time.perf_counter()) bounds a sampled stage's groups and
+    transformers' continuous batching."""
     note = ""
     if name == "triton" and model.device.type == "cpu":
         work = work.subset(INTERPRETER_SAMPLE)
         note = f"Triton interpreter on CPU, {INTERPRETER_SAMPLE} requests: checks tokens, not speed"
     elif (sample := sample_size(name, work, model.device.type == "cuda")) is not None:
-        note = f"ran {sample} of {len(work.prompts)} requests, rate extrapolated"
-        work = work.subset(sample)
+        return _run_sampled(name, generate, model, work.subset(sample), len(work.prompts), reference, deadline)
     options: dict[str, Any] = {}
     if name in ENGINES:
         # Building the engine allocates its KV pool and captures its CUDA graphs: set-up, not
@@ -162,8 +194,39 @@ def _run_one(name: str, generate: Any, model: Decoder, work: Workload, reference
     for warm in _warm_ups(work, model.device.type == "cuda" and name in ENGINES):
         generate(model, warm.prompts, warm.output_lens, stats=StageStats(), **options)
     result = run_stage(name, generate, model, work, **options)
+    finished = sum(bool(out) for out in result.outputs)
+    if finished < len(work.prompts):  # transformers stopped at the stage's budget
+        note = f"stopped at its time budget: {finished} of {len(work.prompts)} requests finished"
     row = result.row() | dict(agrees=agreement(result, reference), note=note)
     row["peak_kv_bytes"] = result.stats.peak_kv_tokens * model.config.kv_bytes_per_token(model.dtype)
+    return row
+
+
+def _run_sampled(name: str, generate: Any, model: Decoder, sample: Workload, total: int,
+                 reference: dict[int, list[int]], deadline: float | None) -> dict[str, Any]:
+    """A stage that serves one request, or one group of SAMPLE_GROUP[name], after another: its rate
+    does not depend on how many groups follow, so it runs group after group of `sample` until the
+    sample or its time (`deadline`) runs out, at least one group, and the rate is extrapolated."""
+    for warm in _warm_ups(sample, False):
+        generate(model, warm.prompts, warm.output_lens, stats=StageStats())
+    group = SAMPLE_GROUP[name]
+    parts: list[StageResult] = []
+    while len(parts) * group < len(sample.prompts) and (not parts or deadline is None or time.perf_counter() < deadline):
+        ran = len(parts) * group
+        piece = Workload(sample.name, sample.prompts[ran:ran + group], sample.output_lens[ran:ran + group])
+        parts.append(run_stage(name, generate, model, piece))
+    stats = StageStats(
+        token_slots=sum(p.stats.token_slots for p in parts), wasted_slots=sum(p.stats.wasted_slots for p in parts),
+        kv_used=sum(p.stats.kv_used for p in parts), kv_reserved=sum(p.stats.kv_reserved for p in parts),
+        peak_kv_tokens=max(p.stats.peak_kv_tokens for p in parts))
+    result = StageResult(name, sum(p.seconds for p in parts), sum(p.useful_tokens for p in parts), stats,
+                         max((p.peak_gpu_bytes or 0 for p in parts), default=0) or None,
+                         [out for p in parts for out in p.outputs])
+    ran = len(result.outputs)
+    note = f"ran {ran} of {total} requests, rate extrapolated" + (
+        " (its time budget ended the sample)" if ran < len(sample.prompts) else "")
+    row = result.row() | dict(agrees=agreement(result, reference), note=note)
+    row["peak_kv_bytes"] = stats.peak_kv_tokens * model.config.kv_bytes_per_token(model.dtype)
     return row
 
 
