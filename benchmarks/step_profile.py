@@ -43,8 +43,9 @@ def main() -> None:
         phases = ", ".join(f"{name} {ms:.2f}" for name, ms in s["host_ms"].items())
         busy = "—" if s["device_busy_ms"] is None else f"{s['device_busy_ms']:.2f} ms"
         console.print(f"[bold]{p.variant}[/] on {p.device}, {p.dtype}, {p.model}, batch {p.batch_size}, context "
-                      f"~{p.context}: step {s['wall_ms']:.2f} ms (median of {len(p.steps)}); host ms: {phases}; "
-                      f"{s['launches']:,.0f} {p.count_label} per step; device busy {busy}")
+                      f"~{p.context}: step {s['plain_step_ms']:.2f} ms (median of {len(p.plain_step_ms)} without the "
+                      f"profiler; {s['wall_ms']:.2f} ms profiled); host ms: {phases}, of which waiting for the GPU "
+                      f"{s['wait_ms']:.2f}; {s['launches']:,.0f} {p.count_label} per step; device busy {busy}")
     payload = dict(environment=environment(model), created=time.strftime("%Y-%m-%d %H:%M:%S"),
                    machine_note=args.machine_note, load_average=os.getloadavg(),
                    profiles=[p.to_dict() for p in profiles])
