@@ -19,9 +19,10 @@ command. So the parts run in one call, in priority order, each under min(its lim
  priority part            what                                                   H200     limit
  1        smoke           Qwen3-0.6B shape: the default engine (graphs, fused,    41 s      60 s
                           Triton) against the eager one, fp32 identical; bf16
- 2        roofline        nano workload: graphs+fused, graphs, eager (each row   ~150 s    200 s
+ 2        roofline        nano workload: graphs+fused, graphs, eager (each row   ~110 s    170 s
                           saved as it ends), then transformers on 64 requests
-                          until the part's limit, counting what it finished
+                          until 15 s before the part's limit, counting the
+                          requests it finished
  3        serving         `minivllm serve` in its own process, `minivllm          ~90 s    120 s
                           bench-serve` in another, 1, 8, 32, 128 users, 4
                           requests per user per level; continuous, then static
@@ -37,15 +38,21 @@ command. So the parts run in one call, in priority order, each under min(its lim
  9        prefix_caching  chapter 11: 256 requests sharing a 200-token prompt;  ~90 s     120 s
                           the shared-share sweep on 64 requests, median of 3
 
-The H200 column is what the part took on one H200 at 7d18199 (../shared measured/h200-2026-11-26),
-or an estimate from it; limits are 1.3-2x that. They sum to 880 s, more than the 540 s budget: the
-parts at the end get what the ones before leave, which on an H200 is about 150 s.
+The H200 column is what the part took on one H200 at 7d18199 (../shared/measured/h200-2026-11-26/),
+or an estimate from it; limits are 1.3-2x that. They sum to 850 s, more than the 540 s budget: the
+parts at the end get what the ones before leave, which on an H200 should be 60-120 s for the tour and
+little or nothing for prefix caching (run it alone with --parts prefix_caching when it matters).
 
-Adding a part is one entry in PARTS (name, limit, what, and either `command`, a function of the
-run giving the argument list after `python`, or `function`, a function of the run that does the
-work in the part's own process), plus a `summarize` that reads its headline from the files it
-wrote. Its place in the list is its priority. A function part gets the Run: device, model
-arguments, DIR, its deadline (time.time()) and a `save` for results it writes row by row.
+Adding a part is one entry in PARTS: a name, a limit in seconds, a line saying what it measures, a
+`summarize` that reads its headline from the files it wrote, and either `command` (a function of the
+Run giving the arguments after `python`) or `function` (a function of the Run doing the work in the
+part's own process). Its place in the list is its priority. A Run carries the device, the model's
+arguments, DIR, the part's limit and deadline (time.time()) and `save`, for results written row by
+row. A server measured over HTTP is one call of serve_and_load, e.g.
+
+    Part("api_servers", 150, "1-256 users, 4 API server processes", levels_summary("15_serving_gpu"),
+         function=lambda run: serve_and_load(run, "15_serving_gpu", {"4 API servers": ["--api-server-count", "4"]},
+                                             [1, 8, 32, 128, 256], "ladder_gpu", "15_latency_vs_concurrency_gpu")),
 
 `--device cpu` is a dry run of the same code with the embedded model (or --model) and tiny
 workloads, each part's torch on one thread (tests/test_gpu_runbook.py runs it).
@@ -67,7 +74,7 @@ import time
 import urllib.request
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +92,7 @@ class Run:
     model: list[str]  # the --model arguments of the scripts that take one
     out: Path  # DIR: the part's working directory
     limit: float  # seconds this part may take: min(its limit, what is left of the budget)
-    deadline: float = field(default=0.0)  # time.time() by which it must have ended
+    deadline: float = 0.0  # time.time() by which it must have ended
 
     @property
     def gpu(self) -> bool:
@@ -239,13 +246,22 @@ def serving(run: Run) -> None:
                    "10_latency_vs_concurrency" + ("_gpu" if run.gpu else ""))
 
 
+def levels_summary(results_name: str) -> Callable[[Run], dict[str, Any]]:
+    """The headline of a serve_and_load part: by server, the levels where the SLO held, TTFT p99
+    and total tok/s by users."""
+    def summarize(run: Run) -> dict[str, Any]:
+        payload = results(run, results_name)
+        return {label: {"SLO held at users": [lv["concurrency"] for lv in levels if lv["slo_met"]],
+                        "TTFT p99 ms by users": {lv["concurrency"]: round(1e3 * lv["ttft"]["p99"]) if "ttft" in lv
+                                                 else None for lv in levels},
+                        "tok/s by users": {lv["concurrency"]: round(lv["output_throughput"]) for lv in levels}}
+                for label, levels in payload["runs"].items()} | completeness(payload)
+
+    return summarize
+
+
 def serving_summary(run: Run) -> dict[str, Any]:
-    payload = results(run, f"10_serving_{'gpu' if run.gpu else 'cpu'}")
-    return {label: {"SLO held at users": [lv["concurrency"] for lv in levels if lv["slo_met"]],
-                    "TTFT p99 ms by users": {lv["concurrency"]: round(1e3 * lv["ttft"]["p99"]) if "ttft" in lv else None
-                                             for lv in levels},
-                    "tok/s by users": {lv["concurrency"]: round(lv["output_throughput"]) for lv in levels}}
-            for label, levels in payload["runs"].items()} | completeness(payload)
+    return levels_summary(f"10_serving_{'gpu' if run.gpu else 'cpu'}")(run)
 
 
 # ---- the others ----------------------------------------------------------------------------------------------
@@ -350,7 +366,7 @@ def prefix_summary(run: Run) -> dict[str, Any]:
 
 PARTS: list[Part] = [  # in priority order: the budget runs out at the end of this list
     Part("smoke", 60, "default engine against eager, fp32 and bf16", smoke_summary, command=smoke),
-    Part("roofline", 200, "nano workload against its memory floor", roofline_summary, command=roofline),
+    Part("roofline", 170, "nano workload against its memory floor", roofline_summary, command=roofline),
     Part("serving", 120, "server and load generator over HTTP, 1-128 users", serving_summary, function=serving,
          extra_modules=True),
     Part("kernel", 40, "decode kernel against SDPA", kernel_summary, command=kernel, cpu_limit=60),
