@@ -43,6 +43,9 @@ GPU_SAMPLED_STAGES = {"naive": 2, "kv_cache": 4, "static_batch": 16, "ragged_bat
 SAMPLE_GROUP = {"naive": 1, "kv_cache": 1, "static_batch": 8, "ragged_batch": 8, "chunked_prefill": 8}
 # Under a time limit, a stage left with less than this is skipped rather than measured on nothing.
 MIN_STAGE_SECONDS = 2.0
+# The tour's time limit on a GPU when none is given: the whole ladder in five minutes. (On one H200
+# the tour without one printed no row in 167 s: the launch-bound stages ran whole samples.)
+GPU_TIME_LIMIT = 300.0
 # What `minivllm tour --device cuda` runs when not told otherwise: a real model shape (random
 # weights) and a workload sized so that every stage's lesson shows and the whole ladder,
 # transformers included, fits in about five minutes on one H100.
@@ -107,8 +110,8 @@ def run_tour(
     stage, "complete": false until the last). On a GPU the model defaults to the Qwen3-0.6B shape
     and the workload to "ladder_gpu".
 
-    time_limit: seconds for the whole tour. Each stage then gets an equal share of what is left
-    when it starts: a sampled stage runs one group of requests after another until its share is
+    time_limit: seconds for the whole tour (default: GPU_TIME_LIMIT on a GPU, none on a CPU). Each
+    stage then gets an equal share of what is left when it starts: a sampled stage runs one group of requests after another until its share is
     spent (at least one group), transformers' continuous batching stops at it, and a stage that
     starts with under MIN_STAGE_SECONDS left is skipped and named in the results."""
     started = time.perf_counter()
@@ -116,6 +119,7 @@ def run_tour(
                                    or not time_limit > 0):
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     on_gpu = (device or default_device()) == "cuda"
+    time_limit = GPU_TIME_LIMIT if time_limit is None and on_gpu else time_limit
     if on_gpu and source is None:
         source = CONFIGS / GPU_DEFAULT_MODEL  # the embedded 4M model would measure only launch overhead
     workload = workload or (GPU_DEFAULT_WORKLOAD if on_gpu else "classroom")
