@@ -81,7 +81,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MODEL = str(ROOT / "minivllm" / "configs" / "qwen3-0.6b.json")
 # Modules the serving part and the GPU checks import that a bare GPU machine lacks: installed from --wheels.
-EXTRA_MODULES = ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client", "xgrammar")
+EXTRA_MODULES = ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client", "xgrammar", "jsonschema")
 
 
 @dataclass

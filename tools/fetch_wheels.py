@@ -23,7 +23,8 @@ from pathlib import Path
 
 # The distributions chapter 10 imports (the server; its load generator; the official client its
 # script and tests stream with), named as pip names them.
-PACKAGES = ("fastapi", "uvicorn", "pydantic", "httpx", "openai", "prometheus-client")
+PACKAGES = ("fastapi", "uvicorn", "pydantic", "httpx", "openai", "prometheus-client",
+            "jsonschema")  # chapter 13's checks validate what a JSON schema let through
 # Downloaded without their dependencies: xgrammar needs torch, Triton, transformers and NumPy besides
 # apache-tvm-ffi, and the GPU machine has those four.
 WITHOUT_DEPENDENCIES = ("xgrammar", "apache-tvm-ffi")
