@@ -11,6 +11,7 @@ import sys
 import tarfile
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,23 @@ def test_missing_packages_are_reported(tmp_path, monkeypatch):
     assert path is None and "no_such_module_minivllm" in status and "fetch_wheels" in status
     monkeypatch.setattr(rb, "EXTRA_MODULES", ("json",))
     assert rb.extra_packages(tmp_path, tmp_path / "wheels.log") == ("installed already", None)
+
+
+def test_a_wheel_that_does_not_install_leaves_the_others_installed(tmp_path, monkeypatch):
+    """The wheels are installed in two groups; a broken xgrammar wheel is reported and does not
+    stop the server's packages (here: a tiny pure-Python wheel built on the spot)."""
+    rb = load_runbook()
+    monkeypatch.setattr(rb, "EXTRA_MODULES", ("no_such_module_minivllm",))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    good = wheels / "tinypkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(good, "w") as whl:
+        whl.writestr("tinypkg/__init__.py", "X = 1\n")
+        whl.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
+        whl.writestr("tinypkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                    "Tag: py3-none-any\n")
+        whl.writestr("tinypkg-1.0.dist-info/RECORD", "")
+    (wheels / "xgrammar-0.0-py3-none-any.whl").write_bytes(b"not a zip file")
+    status, site = rb.extra_packages(wheels, tmp_path / "wheels.log")
+    assert site is not None and (Path(site) / "tinypkg" / "__init__.py").is_file(), status
+    assert status.startswith("installed 1 wheels") and "could not install xgrammar-0.0-py3-none-any.whl" in status
