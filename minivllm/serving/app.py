@@ -39,8 +39,8 @@ from minivllm.engine.llm import render_chat
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.machine import environment
 from minivllm.serving.async_engine import AsyncEngine, EngineDead, EngineFailed, Overloaded, RequestStream, merge
+from minivllm.serving.async_llm import AsyncLLM
 from minivllm.serving.auth import APIKeyMiddleware, check_api_key
 from minivllm.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Echo, chat_response,
                                        check_max_tokens, completion_response, error_body, prompt_only)
@@ -64,20 +64,32 @@ def server_error(err: Exception) -> APIError:
     return APIError(500, message, kind="internal_server_error")
 
 
-def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static_batch_size: int | None = None,
-              max_logprobs: int = MAX_LOGPROBS, api_key: str | None = None) -> FastAPI:
-    """The server for one engine. `model_name` is what requests must name in "model";
-    max_logprobs: the most alternatives per token a request may ask for (more is a 400);
-    api_key: None leaves the server open, a key makes every /v1 route want it."""
+def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 512,
+              static_batch_size: int | None = None, max_logprobs: int = MAX_LOGPROBS,
+              api_key: str | None = None) -> FastAPI:
+    """The server for one engine: an LLMEngine stepped by a thread of this process (chapter 10),
+    or an AsyncLLM, whose core runs in a process of its own (chapter 15; it brings its own
+    max_waiting, and static batches are chapter 10's only). `model_name` is what requests must
+    name in "model"; max_logprobs: the most alternatives per token a request may ask for (more
+    is a 400); api_key: None leaves the server open, a key makes every /v1 route want it."""
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
         raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
     if api_key is not None:
         check_api_key(api_key)
-    async_engine = AsyncEngine(engine, max_waiting, static_batch_size)
+    if isinstance(engine, AsyncLLM):
+        if static_batch_size is not None:
+            raise ValueError("static_batch_size is chapter 10's one-process server's: pass an LLMEngine")
+        async_engine = engine
+        max_waiting = engine.max_waiting
+    else:
+        async_engine = AsyncEngine(engine, max_waiting, static_batch_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        if isinstance(async_engine, AsyncLLM):
+            await async_engine.start()
+        else:
+            async_engine.start()
         yield
         async_engine.shutdown()
 
@@ -117,7 +129,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
         pairs = []
         for i, prompt in enumerate(prompts):
             try:
-                pairs.append(engine.tokenize(prompt))
+                pairs.append(async_engine.tokenize(prompt))
             except ValueError as err:
                 raise APIError(400, f"prompt {i}: {err}" if len(prompts) > 1 else str(err), param="prompt")
         return pairs
@@ -126,7 +138,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
         """Every prompt and max_tokens within the context (check_max_tokens), or a 400."""
         for i, prompt in enumerate(prompts):
             where = f"prompt {i}: " if len(prompts) > 1 else ""
-            check_max_tokens(name, max_tokens, len(prompt), engine.max_model_len, where)
+            check_max_tokens(name, max_tokens, len(prompt), async_engine.max_model_len, where)
 
     async def submit(request_id: str, prompts: list[list[int]], params: SamplingParams,
                      request: Request) -> list[RequestStream]:
@@ -206,7 +218,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
         check_fit("max_tokens", body.max_tokens, prompts)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await submit(request_id, list(prompts), params, request)
-        echo = [echo_of(text, ids, engine.get_tokenizer()) for text, ids in zip(texts, prompts)] if body.echo else None
+        echo = [echo_of(text, ids, async_engine.tokenizer) for text, ids in zip(texts, prompts)] if body.echo else None
         chunks = Chunks(request_id, created, model_name, chat=False, top_logprobs=body.top_logprobs_wanted, n=body.n,
                         echo=echo)
         respond = partial(completion_response, request_id=request_id, created=created, model=model_name,
@@ -220,7 +232,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
         check_model(body.model)
         body.check_logprobs(max_logprobs)
         params = bad_request_unless(body.sampling_params)
-        prompt = chat_prompt(engine.get_tokenizer(), [m.as_template_input() for m in body.messages], model_name)
+        prompt = chat_prompt(async_engine.tokenizer, [m.as_template_input() for m in body.messages], model_name)
         check_fit(*body.max_tokens_field, [prompt])
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await submit(request_id, [prompt], params, request)
@@ -232,7 +244,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "minivllm",
-                "max_model_len": engine.max_model_len}
+                "max_model_len": async_engine.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -248,15 +260,10 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        return {
-            "model": model_name, "scheduler": "continuous" if static_batch_size is None else "static",
-            "static_batch_size": static_batch_size, "max_waiting": max_waiting,
-            "max_model_len": engine.max_model_len, "vocab_size": engine.model.config.vocab_size,
-            "block_size": engine.block_manager.block_size, "num_kv_blocks": engine.block_manager.num_blocks,
-            "max_num_seqs": engine.scheduler.max_num_seqs,
-            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-            "environment": environment(engine.model),
-        }
+        return {"model": model_name, "scheduler": "continuous" if static_batch_size is None else "static",
+                "static_batch_size": static_batch_size, "max_waiting": max_waiting,
+                "engine_core": "process" if isinstance(async_engine, AsyncLLM) else "thread",
+                **async_engine.engine_info()}
 
     return app
 
