@@ -68,7 +68,8 @@ class AsyncLLM:
     @classmethod
     def from_engine(cls, engine: LLMEngine, **options: Any) -> AsyncLLM:
         """A core process with `engine`'s model, settings and tokenizer (the tests' and the
-        notebooks' way: they hold an LLMEngine already)."""
+        notebooks' way: they hold an LLMEngine already), and this thread's torch CPU threads."""
+        options.setdefault("threads", torch.get_num_threads())
         return cls(engine.model, engine.config, engine.tokenizer, **options)
 
     async def start(self) -> None:
