@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,10 @@ def _serve(args: argparse.Namespace) -> None:
           + f"; http://{args.host}:{args.port}/v1" + ("; /v1 wants the API key" if options["api_key"] else ""))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        # uvicorn shuts down on these, then raises them again for the handler that was there before it:
+        # this one, which lets a shutdown that went well end with exit status 0.
+        signal.signal(stop, lambda *_: None)
     server.run()
     if died:
         raise SystemExit("minivllm serve: the engine core process died, so the server stopped")

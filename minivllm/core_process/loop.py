@@ -82,7 +82,6 @@ def run_core(model: Any, config: EngineConfig, tokenizer: Any, inbox: str, outbo
     pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     pull.connect(inbox)
     push.connect(outbox)
-    push.setsockopt(zmq.LINGER, 2000)
     try:
         core = build_core(model, config, tokenizer, device, dtype)
         push.send(encoder.encode(Ready(os.getpid())))
@@ -91,11 +90,9 @@ def run_core(model: Any, config: EngineConfig, tokenizer: Any, inbox: str, outbo
     except Exception as err:
         log.exception("the engine core failed")
         push.send(encoder.encode(Failed(f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}")))
-        push.close()
-        context.term()
+        context.destroy(linger=2000)  # give the Failed message its chance to leave
         sys.exit(1)
-    push.close()
-    context.term()
+    context.destroy(linger=0)
 
 
 def serve(core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent: int) -> None:
