@@ -106,6 +106,11 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
     """The outputs of several streams (a request's prompts) as they come, each as (its stream's
     index, output), until every stream has finished. One read waits on each unfinished stream;
     those left waiting when the reader stops (a client gone) are cancelled."""
+    if len(streams) == 1:  # the common case: no task per output to wait on several streams
+        async for output in streams[0]:
+            yield 0, output
+        return
+
     def read(i: int) -> asyncio.Future:
         return asyncio.ensure_future(anext(streams[i]))
 
