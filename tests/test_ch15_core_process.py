@@ -310,3 +310,18 @@ def test_a_dead_core_ends_the_cli_server_with_a_nonzero_exit():
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+# ---- the measurement's pieces (the measurement itself is chapters/15_engine_core_process.py) ----
+
+def test_the_cheap_model_is_the_named_shape_with_the_embedded_tokenizer(tmp_path, chat_tokenizer):
+    from minivllm.bench.split_serving import CHEAP_SHAPE, offline_run, write_cheap_model
+    from minivllm.loader import load_model, load_tokenizer
+
+    folder = write_cheap_model(tmp_path)
+    model, tokenizer = load_model(str(folder), device="cpu"), load_tokenizer(str(folder))
+    assert (model.config.num_layers, model.config.hidden_size) == (CHEAP_SHAPE["num_hidden_layers"],
+                                                                   CHEAP_SHAPE["hidden_size"])
+    assert tokenizer.encode("def f(x):") == chat_tokenizer.encode("def f(x):")
+    run = offline_run(folder, users=1)
+    assert run["requests"] == 32 and run["output_tokens"] > run["requests"] and run["seconds"] > 0

@@ -139,6 +139,10 @@ class AsyncLLM:
                     self._refused(message)
                 elif isinstance(message, Failed):
                     raise CoreDied(f"the engine core failed: {message.message}")
+                # A message that is already there completes the await above without a pause: yield
+                # once per message, or a reader that has fallen behind starves the HTTP handlers
+                # (new requests would wait for the whole backlog to reach their first token).
+                await asyncio.sleep(0)
         except CoreDied as err:
             log.error("%s", err)
             self.error = err
