@@ -255,6 +255,22 @@ def test_the_core_dying_fails_every_request_within_5_s_and_health_says_503(defau
         assert refused.status_code == 500
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn's SystemExit(3)
+def test_a_core_that_cannot_start_fails_the_start_and_leaves_nothing_behind(default_model, chat_tokenizer):
+    import dataclasses
+    import glob
+
+    engine = LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE)
+    engine.config = dataclasses.replace(engine.config, max_model_len=10**6)  # the core process refuses it
+    children, folders = set(psutil.Process().children(recursive=True)), set(glob.glob("/tmp/minivllm-core-*"))
+    with pytest.raises(RuntimeError, match="did not start"):
+        with running_server(engine, core_process=True):
+            pass
+    new = [p for p in set(psutil.Process().children(recursive=True)) - children if not gone(p.pid)]
+    assert not [p for p in new if "resource_tracker" not in " ".join(p.cmdline())]  # multiprocessing's, for life
+    assert set(glob.glob("/tmp/minivllm-core-*")) <= folders
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -60,10 +60,14 @@ class CoreClient:
         self.process = spawn.Process(target=run_core, args=(*self._args, inbox, outbox), kwargs=self._options,
                                      name="minivllm-core", daemon=True)
         self.process.start()
-        ready = await asyncio.wait_for(self.receive(), START_TIMEOUT)
-        if not isinstance(ready, Ready):
-            raise CoreDied(f"the engine core did not start: {getattr(ready, 'message', ready)}")
-        self.info, self.config = await self._pull.recv_pyobj()
+        try:
+            ready = await asyncio.wait_for(self.receive(), START_TIMEOUT)
+            if not isinstance(ready, Ready):
+                raise CoreDied(f"the engine core did not start: {getattr(ready, 'message', ready)}")
+            self.info, self.config = await self._pull.recv_pyobj()
+        except BaseException:  # a server that fails to start never shuts down: clean up here
+            self.shutdown()
+            raise
 
     def send(self, message: ToCore) -> None:
         """Queue a message for the core (never waits: ZMQ buffers it)."""
