@@ -105,8 +105,8 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     for _ in range(batch_size):
-        engine.add_request([rng.randrange(1, CONFIG["vocab_size"]) for _ in range(rng.randint(context - spread,
-                                                                                           context + spread))], params)
+        engine.add_request(prompt=[rng.randrange(1, CONFIG["vocab_size"]) for _ in range(rng.randint(context - spread,
+                                                                                           context + spread))], params=params)
     seqs = [seq for group in engine.requests.values() for seq in group.seqs]
     while not all(s.num_computed_tokens == s.num_tokens - 1 and s.output_token_ids for s in seqs):
         engine.step()  # the prompts, chunk by chunk: not measured

@@ -62,7 +62,7 @@ def timeline(model: torch.nn.Module, args) -> dict:
         while pending and arrival_step[pending[0]] <= step:
             i = pending.pop(0)
             params = SamplingParams(max_tokens=work.output_lens[i], temperature=0.0, ignore_eos=True)
-            engine.add_request(work.prompts[i], params, request_id=str(i))
+            engine.add_request(prompt=work.prompts[i], params=params, request_id=str(i))
         engine.step()  # with nothing to run (before the next arrival) it records nothing
         step += 1
     steps = trace.steps

@@ -167,11 +167,11 @@ def shared_blocks(model) -> tuple[dict, plots.Figure]:
     system = random_prompts([13], vocab, seed=1)[0]
     users = random_prompts([6, 5, 9, 3], vocab, seed=2)
     engine = LLMEngine(model, block_size=block_size, num_kv_blocks=20)
-    engine.add_request(system + users[0], greedy(4), request_id="request 0")
+    engine.add_request(prompt=system + users[0], params=greedy(4), request_id="request 0")
     while engine.has_unfinished_requests():
         engine.step()
     for i in (1, 2, 3):
-        engine.add_request(system + users[i], greedy(6), request_id=f"request {i}")
+        engine.add_request(prompt=system + users[i], params=greedy(6), request_id=f"request {i}")
     for _ in range(3):  # admission (with the cached prefix) and two decode steps
         engine.step()
     manager = engine.block_manager

@@ -56,7 +56,7 @@ def one_step(model, tokenizer, draft, k: int) -> list[VerifiedRow]:
     engine, decode = llm.engine, lambda t: repr(tokenizer.decode([t]))[1:-1] or "·"
     engine.trace = Trace()
     for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, greedy(40), request_id=f"request {i}")
+        engine.add_request(prompt=prompt, params=greedy(40), request_id=f"request {i}")
     while engine.has_unfinished_requests():
         before = {s.request_id: (s.num_computed_tokens, s.token_ids[-1]) for s in engine.scheduler.running}
         outputs = {o.request_id: o.outputs[0].token_ids for o in engine.step()}

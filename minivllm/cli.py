@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,25 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
                 api_key=api_key)
 
 
+def engine_core(args: argparse.Namespace) -> str:
+    """--engine-core, decided: a core process (chapter 15) unless the server needs chapter 10's
+    thread (static batches; tensor parallelism, whose ranks the core would have to start)."""
+    needs_thread = args.scheduler == "static" or args.tensor_parallel_size > 1
+    if args.engine_core == "process" and needs_thread:
+        raise SystemExit("minivllm serve: --engine-core process serves continuous batching on one rank; "
+                         "--scheduler static and --tensor-parallel-size > 1 need --engine-core thread")
+    return args.engine_core or ("thread" if needs_thread else "process")
+
+
 def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from minivllm.engine.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.loader import load_tokenizer
     from minivllm.machine import device_name
     from minivllm.serving.app import build_app
+    from minivllm.serving.async_llm import AsyncLLM
     from minivllm.serving.auth import check_api_key
 
     options = server_options(args)
@@ -62,26 +76,57 @@ def _serve(args: argparse.Namespace) -> None:
             check_api_key(options["api_key"])  # before minutes of loading, not after
         except ValueError as err:
             raise SystemExit(f"minivllm serve: {err}")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)  # the CPU threads of the model's operations
-    engine = LLMEngine(args.model, **engine_options(args))
-    if args.chat_template:
-        if engine.tokenizer is None:
-            raise SystemExit("--chat-template: this model has no tokenizer")
-        path = Path(args.chat_template)
-        engine.tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
+    core = engine_core(args)
     name = args.served_model_name or args.model or "minivllm-default"
+    died: list[bool] = []  # set when the core process dies: the server stops and exits non-zero
+    server: uvicorn.Server | None = None
+
+    def on_core_death() -> None:
+        died.append(True)
+        server.should_exit = True
+
+    settings = engine_options(args)
+    device, dtype = settings.pop("device"), settings.pop("dtype")
     try:
+        if core == "process":
+            tokenizer = load_tokenizer(args.model)
+            engine = AsyncLLM(args.model, EngineConfig.from_settings(**settings), tokenizer, device, dtype,
+                              threads=args.threads, max_waiting=options.pop("max_waiting"),
+                              on_core_death=on_core_death)
+        else:
+            if args.threads is not None:
+                torch.set_num_threads(args.threads)  # the CPU threads of the model's operations
+            engine = LLMEngine(args.model, device, dtype, **settings)
+            tokenizer = engine.tokenizer
+        if args.chat_template:
+            if tokenizer is None:
+                raise SystemExit("--chat-template: this model has no tokenizer")
+            path = Path(args.chat_template)
+            tokenizer.chat_template = path.read_text() if path.is_file() else args.chat_template
         app = build_app(engine, name, **options)
     except ValueError as err:
         raise SystemExit(f"minivllm serve: {err}")
-    cfg, model, static = engine.model.config, engine.model, options["static_batch_size"]
-    ranks = f" x {args.tensor_parallel_size} processes" if args.tensor_parallel_size > 1 else ""
-    print(f"serving {name!r}: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, on "
-          f"{device_name(model.device)}{ranks}, {str(model.dtype).removeprefix('torch.')}; {args.scheduler} scheduler"
-          + (f" (batches of {static})" if static else "") + f"; http://{args.host}:{args.port}/v1"
-          + ("; /v1 wants the API key" if options["api_key"] else ""))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    static = options["static_batch_size"]
+    if core == "thread":
+        cfg, model = engine.model.config, engine.model
+        ranks = f" x {args.tensor_parallel_size} processes" if args.tensor_parallel_size > 1 else ""
+        where = (f"{cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, on {device_name(model.device)}"
+                 f"{ranks}, {str(model.dtype).removeprefix('torch.')}; the engine in a thread of this process")
+    else:
+        where = "the engine core in a process of its own (GET /server_info once it is up)"
+    print(f"serving {name!r}: {where}; {args.scheduler} scheduler" + (f" (batches of {static})" if static else "")
+          + f"; http://{args.host}:{args.port}/v1" + ("; /v1 wants the API key" if options["api_key"] else ""))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        # uvicorn shuts down on these, then raises them again for the handler that was there before it:
+        # this one, which lets a shutdown that went well end with exit status 0.
+        signal.signal(stop, lambda *_: None)
+    server.run()
+    if died:
+        raise SystemExit("minivllm serve: the engine core process died, so the server stopped")
+    if not server.started:
+        raise SystemExit("minivllm serve: the server did not start")
 
 
 def _bench_serve(args: argparse.Namespace) -> None:
@@ -148,6 +193,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) for models without one")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the model (default: torch's); leave a core to the event loop and clients")
+    serve.add_argument("--engine-core", default=None, choices=["process", "thread"],
+                       help="process: the engine core in a process of its own, HTTP and text in this one (chapter "
+                            "15, the default); thread: chapter 10's one-process server (the default for --scheduler "
+                            "static and --tensor-parallel-size > 1)")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(run=_serve)
 

@@ -46,6 +46,7 @@ NOTEBOOKS = {
     "ch12": "notebooks/12_speculative_decoding.ipynb",
     "ch13": "notebooks/13_structured_outputs.ipynb",
     "ch14": "notebooks/14_tensor_parallelism.ipynb",
+    "ch15": "notebooks/15_engine_core_process.ipynb",
 }
 
 
@@ -147,6 +148,8 @@ EXERCISES: list[Exercise] = [
     Exercise("ch14", "minivllm.distributed.layers", "vocab_parallel_lookup",
              "Exercise 14.3: the vocabulary-parallel embedding",
              "look up only the tokens this rank holds, zeros for the others"),
+    Exercise("ch15", "minivllm.engine.output_processor", "new_delta", "Exercise 15.1: the output processor's delta",
+             "what one completion produced since its last DELTA output: new tokens, new text, their logprobs"),
 ]
 
 

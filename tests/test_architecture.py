@@ -18,6 +18,7 @@ LAYERS = [
     {"model"},
     {"fused", "loader", "machine"},
     {"engine", "distributed"},  # chapter 14 drives the engine's model runner from beside it
+    {"core_process"},  # chapter 15: the engine core in a process of its own, and its client
     {"stages", "serving"},
     {"bench"},
     {"cli", "exercises"},

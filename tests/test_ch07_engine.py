@@ -71,7 +71,7 @@ def test_scheduler_invariants_under_random_arrivals(qwen3, reference, seed):
     for step in range(2000):
         for i, arrive in enumerate(arrival_step):
             if arrive == step:
-                engine.add_request(prompts[i], SamplingParams(max_tokens=lengths[i], **GREEDY), request_id=str(i))
+                engine.add_request(prompt=prompts[i], params=SamplingParams(max_tokens=lengths[i], **GREEDY), request_id=str(i))
         done_before = len(engine.trace.steps)
         for out in engine.step():
             tokens[int(out.request_id)] = out.outputs[0].token_ids
@@ -196,13 +196,13 @@ def test_bad_engine_settings(qwen3):
 def test_streaming_steps_and_late_joiners(qwen3, reference):
     model, hf_model = qwen3
     engine = LLMEngine(model)
-    engine.add_request(PROMPTS[3], SamplingParams(max_tokens=10, **GREEDY), request_id="early")
+    engine.add_request(prompt=PROMPTS[3], params=SamplingParams(max_tokens=10, **GREEDY), request_id="early")
     seen: dict[str, list[list[int]]] = {"early": [], "late": []}
     finished: dict[str, int] = {}  # request id -> step it finished
     first_token: dict[str, int] = {}
     for step in range(100):
         if step == 3:  # arrives while "early" is decoding
-            engine.add_request(PROMPTS[4], SamplingParams(max_tokens=6, **GREEDY), request_id="late")
+            engine.add_request(prompt=PROMPTS[4], params=SamplingParams(max_tokens=6, **GREEDY), request_id="late")
         for out in engine.step():
             assert out.request_id not in finished
             seen[out.request_id].append(out.outputs[0].token_ids)
@@ -220,8 +220,8 @@ def test_streaming_steps_and_late_joiners(qwen3, reference):
 def test_abort_frees_blocks_and_spares_the_others(qwen3, reference):
     model, hf_model = qwen3
     engine = LLMEngine(model, block_size=4, num_kv_blocks=32)
-    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=12, **GREEDY), request_id="keep")
-    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=12, **GREEDY), request_id="drop")
+    engine.add_request(prompt=PROMPTS[0], params=SamplingParams(max_tokens=12, **GREEDY), request_id="keep")
+    engine.add_request(prompt=PROMPTS[1], params=SamplingParams(max_tokens=12, **GREEDY), request_id="drop")
     engine.step()
     engine.step()
     engine.abort_request("drop")
@@ -255,7 +255,7 @@ def test_online_simulation_continuous_vs_static(qwen3):
 def test_metrics_time_the_first_token_and_the_finish(qwen3):
     engine = LLMEngine(qwen3[0])
     for prompt, n in zip(PROMPTS, LENGTHS):
-        engine.add_request(prompt, SamplingParams(max_tokens=n, **GREEDY))
+        engine.add_request(prompt=prompt, params=SamplingParams(max_tokens=n, **GREEDY))
     first_step: dict[str, tuple[float, float]] = {}  # request -> (before, after) the step of its first token
     while engine.has_unfinished_requests():
         before = time.perf_counter()

@@ -249,7 +249,7 @@ def test_a_step_never_waits_for_the_gpu_before_reading_its_tokens(hf_models, sam
     for i, prompt in enumerate(PROMPTS[:5]):
         params = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=i if i % 2 else None,
                                 ignore_eos=True) if sampled else SamplingParams(max_tokens=6, **GREEDY)
-        engine.add_request(prompt, params, request_id=str(i))
+        engine.add_request(prompt=prompt, params=params, request_id=str(i))
     for _ in range(100):
         if not engine.has_unfinished_requests():
             break

@@ -133,7 +133,7 @@ def test_stop_strings_across_bpe_tokens_and_streamed_text_is_never_taken_back(de
 
     stop = next(s for s in map(spanning, range(3, 39)) if s)
     want_text, want_ids = stop_case(free.text, free.token_ids, stop, tokenizer.decode)
-    engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, stop=stop), request_id="r")
+    engine.add_request(prompt=prompt, params=SamplingParams(max_tokens=40, temperature=0, stop=stop), request_id="r")
     streamed = []
     while engine.has_unfinished_requests():
         streamed += [out.outputs[0] for out in engine.step()]
@@ -346,8 +346,8 @@ def test_n_seeded_completions_are_reproducible_distinct_and_each_a_seeded_reques
 def test_aborting_an_n_request_frees_every_block_and_spares_the_others(qwen3, reference):
     model, hf_model = qwen3
     engine = LLMEngine(model, block_size=4, num_kv_blocks=40)
-    engine.add_request(PROMPT, SamplingParams(n=4, temperature=1.0, max_tokens=30, ignore_eos=True), request_id="many")
-    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), request_id="keep")
+    engine.add_request(prompt=PROMPT, params=SamplingParams(n=4, temperature=1.0, max_tokens=30, ignore_eos=True), request_id="many")
+    engine.add_request(prompt=PROMPTS[0], params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), request_id="keep")
     for _ in range(3):
         engine.step()
     children = engine.requests["many"].seqs
@@ -364,7 +364,7 @@ def test_aborting_an_n_request_frees_every_block_and_spares_the_others(qwen3, re
 
 def test_a_request_finishes_when_all_its_completions_do(qwen3):
     engine = LLMEngine(qwen3[0])
-    engine.add_request(PROMPT, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+    engine.add_request(prompt=PROMPT, params=SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
                                               stop_token_ids=list(range(0, 97, 2))), request_id="r")
     seen = []
     while engine.has_unfinished_requests():
@@ -409,12 +409,12 @@ def test_bad_requests_are_refused_by_the_engine(qwen3):
                    SamplingParams(prompt_logprobs=vocab + 1), SamplingParams(stop="x"),  # no tokenizer
                    SamplingParams(n=9)):
         with pytest.raises(ValueError):
-            engine.add_request(PROMPT, params)
+            engine.add_request(prompt=PROMPT, params=params)
     for request_id in ("auto-3", "", 7, b"id", ["x"]):
         with pytest.raises(ValueError, match="request_id"):
-            engine.add_request(PROMPT, SamplingParams(), request_id=request_id)
+            engine.add_request(prompt=PROMPT, params=SamplingParams(), request_id=request_id)
     with pytest.raises(ValueError):
-        engine.add_request(PROMPT, {"max_tokens": 3})
+        engine.add_request(prompt=PROMPT, params={"max_tokens": 3})
     with pytest.raises(ValueError, match="SamplingParams"):
         LLM(qwen3[0]).generate([PROMPT], ["greedy"], use_tqdm=False)
     assert not engine.has_unfinished_requests()
@@ -422,14 +422,14 @@ def test_bad_requests_are_refused_by_the_engine(qwen3):
 
 def test_automatic_request_ids_never_collide_with_chosen_ones(qwen3):
     engine = LLMEngine(qwen3[0])
-    chosen = [engine.add_request(PROMPT, request_id=str(i)) for i in range(3)]
-    automatic = [engine.add_request(PROMPT) for _ in range(3)]
+    chosen = [engine.add_request(prompt=PROMPT, request_id=str(i)) for i in range(3)]
+    automatic = [engine.add_request(prompt=PROMPT) for _ in range(3)]
     assert chosen == ["0", "1", "2"] and len(set(automatic) | set(chosen)) == 6
     assert all(i.startswith("auto-") for i in automatic)
     with pytest.raises(ValueError, match="in use"):
-        engine.add_request(PROMPT, request_id="1")
+        engine.add_request(prompt=PROMPT, request_id="1")
     llm = LLM(qwen3[0])
-    llm.engine.add_request(PROMPT, SamplingParams(max_tokens=2), request_id="0")  # LLM's own first id
+    llm.engine.add_request(prompt=PROMPT, params=SamplingParams(max_tokens=2), request_id="0")  # LLM's own first id
     outs = llm.generate([PROMPT, PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)
     assert [o.request_id for o in outs] == ["1", "2"] and [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
 
@@ -459,8 +459,8 @@ def test_max_tokens_none_runs_to_the_context_and_final_only_reports_once(qwen3):
     out = llm.generate(PROMPT, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (32 - len(PROMPT), "length")
     engine = LLMEngine(qwen3[0])
-    engine.add_request(PROMPT, SamplingParams(max_tokens=5, output_kind=RequestOutputKind.FINAL_ONLY), request_id="f")
-    engine.add_request(PROMPT, SamplingParams(max_tokens=5), request_id="c")
+    engine.add_request(prompt=PROMPT, params=SamplingParams(max_tokens=5, output_kind=RequestOutputKind.FINAL_ONLY), request_id="f")
+    engine.add_request(prompt=PROMPT, params=SamplingParams(max_tokens=5), request_id="c")
     seen = []
     while engine.has_unfinished_requests():
         seen += [o.request_id for o in engine.step()]

@@ -28,7 +28,7 @@ from minivllm import DEFAULT_MODEL, LLM, LLMEngine, SamplingParams, load_tokeniz
 from minivllm.engine.outputs import CompletionOutput, RequestOutput
 from minivllm.serving import threaded
 from minivllm.serving.auth import APIKeyMiddleware
-from minivllm.serving.protocol import Echo
+from minivllm.serving.responses import Echo
 from minivllm.serving.sse import Chunks, stream_events
 
 pytestmark = pytest.mark.ch10

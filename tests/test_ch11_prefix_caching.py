@@ -229,7 +229,7 @@ def test_invariants_under_random_add_step_abort(qwen3_model, hf_models, referenc
         if added < len(pool) and rng.random() < 0.6:
             n = rng.randint(2, 10)
             rid = f"q{added}"
-            engine.add_request(pool[added], SamplingParams(max_tokens=n, **GREEDY), request_id=rid)
+            engine.add_request(prompt=pool[added], params=SamplingParams(max_tokens=n, **GREEDY), request_id=rid)
             expected[rid] = (pool[added], n)
             added += 1
         if engine.requests and rng.random() < 0.08:
@@ -293,12 +293,12 @@ def test_hits_are_counted_once_per_admission_not_per_lookup(qwen3_model):
     engine.trace = Trace()
     shared = random_prompts([16], seed=5)[0]
     prompts = {"first": shared + [1], "hog": random_prompts([20], seed=6)[0], "late": shared + [2, 3]}
-    engine.add_request(prompts["first"], SamplingParams(max_tokens=1, **GREEDY), request_id="first")
+    engine.add_request(prompt=prompts["first"], params=SamplingParams(max_tokens=1, **GREEDY), request_id="first")
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request(prompts["hog"], SamplingParams(max_tokens=4, **GREEDY), request_id="hog")
+    engine.add_request(prompt=prompts["hog"], params=SamplingParams(max_tokens=4, **GREEDY), request_id="hog")
     engine.step()
-    engine.add_request(prompts["late"], SamplingParams(max_tokens=2, **GREEDY), request_id="late")
+    engine.add_request(prompt=prompts["late"], params=SamplingParams(max_tokens=2, **GREEDY), request_id="late")
     outputs, waited = {}, 0
     for _ in range(100):
         if not engine.has_unfinished_requests():

@@ -287,7 +287,7 @@ def check_blocks(engine: LLMEngine) -> None:
 
 def run_checked(engine: LLMEngine, prompts, lengths, params: dict, steps: int = 3000) -> dict[str, list[int]]:
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(prompt, SamplingParams(max_tokens=n, **params), request_id=str(i))
+        engine.add_request(prompt=prompt, params=SamplingParams(max_tokens=n, **params), request_id=str(i))
     outputs = {}
     for _ in range(steps):
         for out in engine.step():
@@ -453,7 +453,7 @@ def sampled_pairs(target, draft, prompt, n: int, temperature: float) -> torch.Te
     engine = LLMEngine(target, speculative_config={"model": draft, "num_speculative_tokens": 2}, max_num_seqs=256,
                        num_kv_blocks=2048, enable_prefix_caching=False)
     for i in range(n):
-        engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=temperature, seed=i, ignore_eos=True))
+        engine.add_request(prompt=prompt, params=SamplingParams(max_tokens=4, temperature=temperature, seed=i, ignore_eos=True))
     counts = torch.zeros(target.config.vocab_size, target.config.vocab_size, dtype=torch.float64)
     for _ in range(10 * n):
         for out in engine.step():

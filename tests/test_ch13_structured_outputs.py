@@ -293,7 +293,7 @@ def test_sampling_params_check_how_a_constraint_fits():
 def test_meaningless_constraints_are_refused_when_added(embedded, tokenizer, constraint, message):
     engine = LLMEngine(embedded, tokenizer=tokenizer)
     with pytest.raises(ValueError, match=message):
-        engine.add_request("x = ", SamplingParams(structured_outputs=constraint))
+        engine.add_request(prompt="x = ", params=SamplingParams(structured_outputs=constraint))
     assert not engine.requests and not engine.has_unfinished_requests()
 
 
@@ -309,7 +309,7 @@ def test_property_names_are_not_mistaken_for_keywords(embedded, tokenizer):
 def test_a_model_without_a_tokenizer_is_refused(embedded):
     engine = LLMEngine(embedded)
     with pytest.raises(ValueError, match="tokenizer"):
-        engine.add_request([5, 6, 7], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+        engine.add_request(prompt=[5, 6, 7], params=SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
     assert not engine.has_unfinished_requests()
 
 
@@ -317,7 +317,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(qwen3_model, tokenize
     """The tiny models' vocabulary is 97 tokens: a grammar over 4,096 could allow ids it has no logit for."""
     engine = LLMEngine(qwen3_model, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="more than the model's vocabulary of 97"):
-        engine.add_request([5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+        engine.add_request(prompt=[5, 6], params=SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
     assert not engine.has_unfinished_requests()
 
 
@@ -358,8 +358,8 @@ def test_a_slow_compile_never_stalls_the_running_batch(embedded, tokenizer, monk
     monkeypatch.setattr(backend.XgrammarBackend, "compile_grammar", held)
     engine = LLMEngine(embedded, tokenizer=tokenizer)
     constraint = StructuredOutputsParams(choice=CHOICES)
-    engine.add_request("x = ", SamplingParams(temperature=0, max_tokens=16, structured_outputs=constraint), "choice")
-    engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "plain")
+    engine.add_request(prompt="x = ", params=SamplingParams(temperature=0, max_tokens=16, structured_outputs=constraint), request_id="choice")
+    engine.add_request(prompt=PROMPTS[2], params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id="plain")
     try:
         for step in range(8):
             outputs = engine.step()

@@ -298,7 +298,7 @@ def test_every_rank_replays_graphs(qwen3_model, hf_models, reference):
         replay = engine.runner.graphs.replay
         engine.runner.graphs.replay = lambda size, n: replays.append((size, n)) or replay(size, n)
         for i, prompt in enumerate(PROMPTS[:5]):
-            engine.add_request(prompt, SamplingParams(max_tokens=LENGTHS[i], **GREEDY), request_id=str(i))
+            engine.add_request(prompt=prompt, params=SamplingParams(max_tokens=LENGTHS[i], **GREEDY), request_id=str(i))
         outs = {}
         while engine.has_unfinished_requests():
             outs |= {o.request_id: o for o in engine.step() if o.finished}

@@ -107,7 +107,7 @@ def test_bad_arguments_are_refused(qwen3_model):
     engine = LLMEngine(qwen3_model, num_kv_blocks=64)
     with pytest.raises(ValueError, match="engine options"):
         profile_steps(engine, cuda_graphs=False)
-    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    engine.add_request(prompt=[1, 2, 3], params=SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="idle"):
         profile_steps(engine)
 

@@ -40,10 +40,11 @@ import asyncio
 import json
 import math
 import os
+import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from rich.console import Console
@@ -56,6 +57,7 @@ from minivllm.plots import save
 from minivllm.plots.serving import plot_serving
 
 console = Console()
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -127,19 +129,26 @@ async def run_level(url: str, model: str, workload: Workload, concurrency: int |
     """Send every request of the workload with `concurrency` users in a closed loop, or at
     the workload's Poisson arrival times (`rate`). Returns the results and the wall time."""
     requests = list(zip(workload.prompts, workload.output_lens))
-    limit = concurrency or len(requests)
-    client = httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(timeout),
-                               limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
     results: list[RequestResult] = []
+    tls = ssl.create_default_context()  # made once: each client would otherwise read the CA store again
+
+    def one_connection() -> httpx.AsyncClient:
+        # A client per user (closed loop) or per request (open loop), each with one connection:
+        # httpx's pool scans all of its connections for every request, which at 128 users cost
+        # this process more than reading the streams did (and made the client the bottleneck).
+        return httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(timeout), verify=tls,
+                                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
 
     async def user(queue: list[tuple[list[int], int]]) -> None:  # closed loop: next request when one ends
-        while queue:
-            prompt, n = queue.pop()
-            results.append(await stream_completion(client, model, prompt, n, timeout))
+        async with one_connection() as client:
+            while queue:
+                prompt, n = queue.pop()
+                results.append(await stream_completion(client, model, prompt, n, timeout))
 
     async def arrival(at: float, prompt: list[int], n: int) -> None:  # open loop: on schedule
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-        results.append(await stream_completion(client, model, prompt, n, timeout))
+        async with one_connection() as client:
+            results.append(await stream_completion(client, model, prompt, n, timeout))
 
     start = time.perf_counter()
     if rate is None:
@@ -147,15 +156,24 @@ async def run_level(url: str, model: str, workload: Workload, concurrency: int |
         tasks = [asyncio.ensure_future(user(queue)) for _ in range(concurrency)]
     else:
         tasks = [asyncio.ensure_future(arrival(at, p, n)) for at, (p, n) in zip(workload.arrivals, requests)]
-    async with client:
-        done, pending = await asyncio.wait(tasks, timeout=deadline)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+    done, pending = await asyncio.wait(tasks, timeout=deadline)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     elapsed = time.perf_counter() - start
     missing = len(requests) - len(results)
     results += [RequestResult(0, error=f"not finished within the {deadline:g} s deadline") for _ in range(missing)]
     return results, elapsed
+
+
+def run_fast(work: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run, on uvloop where it is installed (uvicorn[standard] brings it): the load
+    generator's own event loop must cost less than the server it measures."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(work)
+    return uvloop.run(work)
 
 
 def summarize(results: list[RequestResult], elapsed: float, slo: SLO) -> dict[str, Any]:
@@ -248,7 +266,7 @@ def bench_serve(urls: Sequence[str], concurrency: Sequence[int] | None = None, r
             work = clip_to_context(work, info["max_model_len"])
             console.print(f"{label}: {x_key} {x:g}, {work.describe()}")
             load = os.getloadavg()[0]  # the machine's 1-minute load when the level started (shared machines drift)
-            outcome, elapsed = asyncio.run(run_level(url, info["model"], work,
+            outcome, elapsed = run_fast(run_level(url, info["model"], work,
                                                      concurrency=x if x_key == "concurrency" else None,
                                                      rate=x if x_key == "rate" else None, timeout=timeout,
                                                      deadline=deadline))

@@ -53,7 +53,7 @@ def serve_continuous(engine: LLMEngine, workload: Workload) -> list[RequestTimin
     while pending or engine.has_unfinished_requests():
         while pending and workload.arrivals[pending[0]] <= clock:
             i = pending.pop(0)
-            engine.add_request(workload.prompts[i], _greedy(workload.output_lens[i]), request_id=str(i))
+            engine.add_request(prompt=workload.prompts[i], params=_greedy(workload.output_lens[i]), request_id=str(i))
         if engine.has_unfinished_requests():
             clock = _step(engine, clock, timings)
         else:
@@ -72,7 +72,7 @@ def serve_static(engine: LLMEngine, workload: Workload, batch_size: int = 16) ->
         pending = pending[len(batch):]
         longest = max(workload.output_lens[i] for i in batch)
         for i in batch:
-            engine.add_request(workload.prompts[i], _greedy(longest), request_id=str(i))
+            engine.add_request(prompt=workload.prompts[i], params=_greedy(longest), request_id=str(i))
         while engine.has_unfinished_requests():
             clock = _step(engine, clock, timings)
     return list(timings.values())

@@ -272,7 +272,7 @@ def _start_decoding(engine: LLMEngine, batch_size: int, context: int, max_tokens
     try:
         for _ in range(batch_size):
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(context - spread, context + spread))]
-            ids.append(engine.add_request(prompt, params))
+            ids.append(engine.add_request(prompt=prompt, params=params))
         for _ in range(batch_size * (context + spread)):  # more than enough steps for any prefill
             if any(i not in engine.requests for i in ids):
                 raise RuntimeError("a request finished before all of them were decoding: the engine cannot hold "

@@ -56,6 +56,8 @@ def warmup_workloads(work: Workload) -> list[Workload]:
 WORKLOADS: dict[str, dict[str, Any]] = {
     "tiny": dict(requests=8, prompt=(4, 32), output=("uniform", 1, 16)),
     "classroom": dict(requests=32, prompt=(8, 256), output=("capped_exp", 48, 256)),
+    # Chapter 15: short turns, classroom's answers; with a tiny model a step is then mostly the host's work.
+    "chat": dict(requests=64, prompt=(8, 32), output=("capped_exp", 48, 256)),
     "long_prompt": dict(requests=8, prompt=(256, 448), output=("uniform", 8, 16)),
     "nano": dict(requests=256, prompt=(100, 1024), output=("uniform", 100, 1024)),
     # The GPU ladder (`minivllm tour --device cuda`): nano's shape at half the lengths, so the

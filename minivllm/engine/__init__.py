@@ -1,4 +1,4 @@
-"""The finished engine (chapters 7-13): requests in, tokens out, one scheduled step at a time.
+"""The finished engine (chapters 7-15): requests in, tokens out, one scheduled step at a time.
 
     config.py           EngineConfig: every setting, validated once, decided for the model
     sampling_params.py  SamplingParams: how one request wants its tokens chosen
@@ -13,7 +13,10 @@
     detokenizer.py      tokens -> text, and stop strings
     outputs.py          RequestOutput and CompletionOutput, as vLLM's
     trace.py            a record of every step, for the chapters' pictures
-    llm_engine.py       the online engine: add_request, step, abort_request
+    input_processor.py  chapter 15: a request checked and tokenized -> EngineCoreRequest (token ids)
+    core.py             EngineCore: schedule -> run -> sample -> append; each step's new tokens out
+    output_processor.py chapter 15: the core's news -> text, stop strings, RequestOutputs
+    llm_engine.py       the online engine (the three above in one thread): add_request, step, abort_request
     llm.py              LLM: the offline API, a loop around LLMEngine
     spec_decode/        chapter 12: guesses (prompt lookup or a draft model), verified in one forward pass
 

@@ -115,7 +115,7 @@ class LLM:
                 if id(p) not in final:
                     final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
                 request_id = next(i for i in map(str, self._request_ids) if i not in self.engine.requests)
-                ids.append(self.engine.add_request(prompt, final[id(p)], request_id=request_id))
+                ids.append(self.engine.add_request(prompt=prompt, params=final[id(p)], request_id=request_id))
         except ValueError as err:
             self.engine.abort_request(ids)
             raise ValueError(f"prompt {len(ids)}: {err}") from err

@@ -21,9 +21,11 @@ GREEDY_BELOW = 1e-5
 
 class RequestOutputKind(enum.Enum):
     """When the engine reports a request (vLLM's names). CUMULATIVE: every step that gives it
-    a token, everything so far (for streaming); FINAL_ONLY: once, when it finishes (LLM.generate)."""
+    a token, everything so far; DELTA: every step that gives it a token, only what is new since
+    its last output (for streaming: chapter 15); FINAL_ONLY: once, when it finishes (LLM.generate)."""
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 

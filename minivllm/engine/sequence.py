@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.engine.detokenizer import StopChecker
-from minivllm.engine.outputs import Logprob
+from minivllm.engine.logprobs import TopLogprobs
 from minivllm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # type hints only
@@ -54,7 +53,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length", "stop" or "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | None = None  # the stop token id that ended it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (chapter 11)
     num_draft_tokens: int = 0  # guesses verified for it (chapter 12)
@@ -62,15 +61,10 @@ class Sequence:
     first_token_time: float | None = None  # when its first output token was sampled
     finish_time: float | None = None
     generator: torch.Generator | None = None  # private randomness for sampled requests
-    logprobs: list[dict[int, Logprob]] | None = field(init=False)  # per output token, if asked for
-    cumulative_logprob: float | None = field(init=False)
-    text: StopChecker | None = None  # the output as text, for requests that need it while running
     grammar: SequenceGrammar | None = None  # chapter 13: the grammar its output must fit, and its place in it
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        asked = self.params.logprobs is not None
-        self.logprobs, self.cumulative_logprob = ([], 0.0) if asked else (None, None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,17 +95,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append_token(
-        self, token: int, eos_token_ids: set[int], now: float, logprobs: dict[int, Logprob] | None = None,
-    ) -> None:
-        """Add a sampled token (and its logprobs, if the request asked) and decide whether the
-        request is done by its tokens: a stop token, EOS, or its length."""
+    def append_token(self, token: int, eos_token_ids: set[int], now: float) -> None:
+        """Add a sampled token and decide whether the sequence is done by its tokens: a stop
+        token, EOS, or its length. (Stop strings are text: the output processor's.)"""
         self.token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = now
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
-            self.cumulative_logprob += logprobs[token].logprob
         max_tokens = self.params.max_tokens
         if token in self.params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token  # like vLLM, the stop token stays in the output
@@ -119,19 +108,6 @@ class Sequence:
             self.finish_reason = "stop"
         elif (max_tokens is not None and self.num_output_tokens >= max_tokens) or self.num_tokens >= self.max_model_len:
             self.finish_reason = "length"
-
-    def update_text(self) -> None:
-        """Decode the tokens the text has not seen yet and look for stop strings in the new
-        text (not before min_tokens are out, like vLLM). A stop string ends the request."""
-        done = self.num_prompt_tokens + self.text.num_output_tokens
-        search = self.num_output_tokens >= self.params.min_tokens
-        stop = self.text.update(self.token_ids[done:], final=self.finish_reason is not None, search=search)
-        if stop is not None:
-            self.finish_reason, self.stop_reason = "stop", stop
-
-    def output_text(self) -> str:
-        """The text this sequence shows now ("" without a tokenizer)."""
-        return self.text.visible(self.finish_reason is not None) if self.text is not None else ""
 
 
 @dataclass(eq=False)
@@ -145,8 +121,9 @@ class SequenceGroup:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     # Filled as the prompt is computed (by whichever sequence computes it first): None for the
-    # first token, then one dict per prompt token. None unless the request asked.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # first token, then one TopLogprobs per prompt token. None unless the request asked.
+    prompt_logprobs: list[TopLogprobs | None] | None = None
+    num_prompt_logprobs_sent: int = 0  # how many of them the core has put in an output already
 
     @property
     def is_finished(self) -> bool:

@@ -1,4 +1,4 @@
-"""The HTTP routes (chapter 10): an OpenAI-compatible API over the background engine.
+"""The HTTP routes (chapters 10 and 15): an OpenAI-compatible API over the background engine.
 
     POST /v1/completions        a prompt (text or token ids), or a batch of them -> completion(s)
     POST /v1/chat/completions   messages -> the checkpoint's chat template -> completion(s)
@@ -7,8 +7,9 @@
     GET  /metrics               Prometheus text: queue, KV cache, tokens, latency histograms
     GET  /server_info           the engine's settings, device and model shape (for benchmarks)
 
-Every handler is a coroutine that only validates, hands the request to the engine thread and
-relays what comes back: nothing here waits on the model, so one slow request never holds up
+The routes are module-level coroutines that read the server (its engine and settings) from
+`app.state.server`; `build_app` only assembles them. Every handler only validates, hands the
+request to the engine (a thread, or a core process) and relays what comes back: nothing here waits on the model, so one slow request never holds up
 the others. Bad input is answered with OpenAI's error body and a 4xx before the request ever
 reaches the engine (or, for what only the engine can judge, as soon as it refuses). Like vLLM's
 server, this one tokenizes the prompts itself, so that it can refuse a max_tokens the context
@@ -27,10 +28,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -39,11 +41,11 @@ from minivllm.engine.llm import render_chat
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.machine import environment
 from minivllm.serving.async_engine import AsyncEngine, EngineDead, EngineFailed, Overloaded, RequestStream, merge
+from minivllm.serving.async_llm import AsyncLLM
 from minivllm.serving.auth import APIKeyMiddleware, check_api_key
-from minivllm.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Echo, chat_response,
-                                       check_max_tokens, completion_response, error_body, prompt_only)
+from minivllm.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_max_tokens
+from minivllm.serving.responses import Echo, chat_response, completion_response, error_body, prompt_only
 from minivllm.serving.sse import DONE, Chunks, sse, stream_events
 
 T = TypeVar("T")
@@ -64,201 +66,255 @@ def server_error(err: Exception) -> APIError:
     return APIError(500, message, kind="internal_server_error")
 
 
-def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 512, static_batch_size: int | None = None,
-              max_logprobs: int = MAX_LOGPROBS, api_key: str | None = None) -> FastAPI:
-    """The server for one engine. `model_name` is what requests must name in "model";
-    max_logprobs: the most alternatives per token a request may ask for (more is a 400);
-    api_key: None leaves the server open, a key makes every /v1 route want it."""
+@dataclass(frozen=True)
+class Server:
+    """What the routes need, kept in app.state.server: the engine (chapter 10's thread or
+    chapter 15's frontend over a core process) and the server's settings."""
+
+    engine: AsyncEngine | AsyncLLM
+    model_name: str
+    max_waiting: int
+    static_batch_size: int | None
+    max_logprobs: int
+
+
+def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 512,
+              static_batch_size: int | None = None, max_logprobs: int = MAX_LOGPROBS,
+              api_key: str | None = None) -> FastAPI:
+    """The server for one engine: an LLMEngine stepped by a thread of this process (chapter 10),
+    or an AsyncLLM, whose core runs in a process of its own (chapter 15; it brings its own
+    max_waiting, and static batches are chapter 10's only). `model_name` is what requests must
+    name in "model"; max_logprobs: the most alternatives per token a request may ask for (more
+    is a 400); api_key: None leaves the server open, a key makes every /v1 route want it."""
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
         raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
     if api_key is not None:
         check_api_key(api_key)
-    async_engine = AsyncEngine(engine, max_waiting, static_batch_size)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
-        yield
-        async_engine.shutdown()
-
+    if isinstance(engine, AsyncLLM):
+        if static_batch_size is not None:
+            raise ValueError("static_batch_size is chapter 10's one-process server's: pass an LLMEngine")
+        async_engine, max_waiting = engine, engine.max_waiting
+    else:
+        async_engine = AsyncEngine(engine, max_waiting, static_batch_size)
     app = FastAPI(title="minivllm", lifespan=lifespan)
+    app.state.server = Server(async_engine, model_name, max_waiting, static_batch_size, max_logprobs)
     app.state.engine = async_engine
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if err.status == 503 else None
-        return JSONResponse(error_body(err.message, err.kind, err.param, err.code), err.status, headers=headers)
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, err: ClientGone) -> Response:
-        return Response(status_code=499)  # nobody reads it: the client is gone
-
-    @app.exception_handler(Exception)
-    async def failure(request: Request, err: Exception) -> JSONResponse:
-        """Anything a route did not expect: a 500 that says what raised (the server still logs
-        the traceback)."""
-        return await api_error(request, server_error(err))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
-        message, param = describe_validation_error(err.errors())
-        return JSONResponse(error_body(message, param=param), 400)
-
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
-                           param="model", code="model_not_found")
-
-    def tokenized(prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
-        """Each prompt's (text or None, token ids), through the engine's own tokenize; a prompt it
-        refuses is a 400 that says which one."""
-        pairs = []
-        for i, prompt in enumerate(prompts):
-            try:
-                pairs.append(engine.tokenize(prompt))
-            except ValueError as err:
-                raise APIError(400, f"prompt {i}: {err}" if len(prompts) > 1 else str(err), param="prompt")
-        return pairs
-
-    def check_fit(name: str, max_tokens: int | None, prompts: list[list[int]]) -> None:
-        """Every prompt and max_tokens within the context (check_max_tokens), or a 400."""
-        for i, prompt in enumerate(prompts):
-            where = f"prompt {i}: " if len(prompts) > 1 else ""
-            check_max_tokens(name, max_tokens, len(prompt), engine.max_model_len, where)
-
-    async def submit(request_id: str, prompts: list[list[int]], params: SamplingParams,
-                     request: Request) -> list[RequestStream]:
-        """Hand every prompt to the engine thread at once (they join the same step). If one is
-        refused, the others are taken back, and the refusal becomes its 4xx or 503. One prompt
-        runs under the request's id, a batch's under id-0, id-1, ... (as in vLLM)."""
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        adds = asyncio.gather(*(async_engine.add(i, p, params) for i, p in zip(ids, prompts)), return_exceptions=True)
-        try:
-            results = await unless_disconnected(request, adds)
-        except ClientGone:
-            for i in ids:  # the ones already taken in, and those still on their way (unknown ids are ignored)
-                async_engine.abort(i)
-            raise
-        refusals = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
-        if not refusals:
-            return results
-        for i, result in zip(ids, results):
-            if isinstance(result, RequestStream):
-                async_engine.abort(i)
-        i, err = refusals[0]
-        where = f"prompt {i}: " if len(prompts) > 1 else ""
-        if isinstance(err, ValueError):
-            raise APIError(400, f"{where}{err}")
-        if isinstance(err, Overloaded):
-            raise APIError(503, str(err), kind="server_overloaded")
-        if isinstance(err, EngineDead):
-            raise server_error(err)
-        raise err
-
-    async def answer(streams: list[RequestStream], chunks: Chunks, include_usage: bool, streaming: bool,
-                     request: Request, respond: Callable[[list[RequestOutput]], dict[str, Any]],
-                     shown: Callable[[RequestOutput], RequestOutput] | None = None) -> Response:
-        """Stream the outputs as server-sent events, or wait for every prompt's last output and
-        answer once (respond: the prompts' final outputs -> the body). shown: what the client
-        sees of an output (prompt_only, to score a prompt), or None for all of it."""
-        shown = shown or (lambda output: output)
-        if streaming:
-            outputs = ((i, shown(output)) async for i, output in merge(streams))
-            return StreamingResponse(abort_if_left(streams, stream_events(outputs, chunks, include_usage)),
-                                     media_type="text/event-stream")
-        try:
-            outputs = await unless_disconnected(request, asyncio.gather(*(s.final() for s in streams)))
-        except ClientGone:
-            for stream in streams:
-                async_engine.abort(stream.request_id)
-            raise
-        except EngineDead as err:
-            raise server_error(err)
-        return JSONResponse(respond([shown(output) for output in outputs]))
-
-    async def abort_if_left(streams: list[RequestStream], events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """Relay the events; if the client disconnects first, Starlette cancels this generator
-        at its current `await`, and the `finally` aborts the requests still running (their KV
-        blocks are freed before the engine's next step). If making an event fails, the stream
-        ends with an error event: the 200 and the events before it are already on their way."""
-        try:
-            async for event in events:
-                yield event
-        except Exception as err:  # not a disconnect: that cancels, which is no Exception
-            if not isinstance(err, EngineDead):  # (the engine thread logged its own failure)
-                log.exception("a streamed answer failed")
-            error = server_error(err)
-            yield sse(error_body(error.message, error.kind))
-            yield DONE
-        finally:
-            for stream in streams:
-                if not stream.done:
-                    async_engine.abort(stream.request_id)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        body.check_logprobs(max_logprobs)
-        params = bad_request_unless(body.sampling_params)
-        texts, prompts = zip(*tokenized(body.prompts()))
-        check_fit("max_tokens", body.max_tokens, prompts)
-        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await submit(request_id, list(prompts), params, request)
-        echo = [echo_of(text, ids, engine.get_tokenizer()) for text, ids in zip(texts, prompts)] if body.echo else None
-        chunks = Chunks(request_id, created, model_name, chat=False, top_logprobs=body.top_logprobs_wanted, n=body.n,
-                        echo=echo)
-        respond = partial(completion_response, request_id=request_id, created=created, model=model_name,
-                          top_logprobs=body.top_logprobs_wanted, echo=echo,
-                          show_prompt_logprobs=body.prompt_logprobs is not None)
-        return await answer(streams, chunks, body.include_usage, body.stream, request, respond,
-                            prompt_only if body.scores_only else None)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        body.check_logprobs(max_logprobs)
-        params = bad_request_unless(body.sampling_params)
-        prompt = chat_prompt(engine.get_tokenizer(), [m.as_template_input() for m in body.messages], model_name)
-        check_fit(*body.max_tokens_field, [prompt])
-        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await submit(request_id, [prompt], params, request)
-        chunks = Chunks(request_id, created, model_name, chat=True, top_logprobs=body.top_logprobs_wanted, n=body.n)
-        respond = partial(chat_response, request_id=request_id, created=created, model=model_name,
-                          top_logprobs=body.top_logprobs_wanted)
-        return await answer(streams, chunks, body.include_usage, body.stream, request, respond)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "minivllm",
-                "max_model_len": engine.max_model_len}
-        return {"object": "list", "data": [card]}
-
-    @app.get("/health")
-    async def health() -> Response:
-        if async_engine.alive:
-            return Response(status_code=200)
-        reason = f"{type(async_engine.error).__name__}: {async_engine.error}" if async_engine.error else "stopped"
-        return JSONResponse(error_body(f"the engine is not running ({reason})", "engine_unavailable"), 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(async_engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/server_info")
-    async def server_info() -> dict[str, Any]:
-        return {
-            "model": model_name, "scheduler": "continuous" if static_batch_size is None else "static",
-            "static_batch_size": static_batch_size, "max_waiting": max_waiting,
-            "max_model_len": engine.max_model_len, "vocab_size": engine.model.config.vocab_size,
-            "block_size": engine.block_manager.block_size, "num_kv_blocks": engine.block_manager.num_blocks,
-            "max_num_seqs": engine.scheduler.max_num_seqs,
-            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-            "environment": environment(engine.model),
-        }
-
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(ClientGone, client_gone)
+    app.add_exception_handler(Exception, failure)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.include_router(routes)
     return app
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the engine with the server, stop it with the server."""
+    engine = app.state.server.engine
+    if isinstance(engine, AsyncLLM):
+        await engine.start()  # spawns the core and waits until it is ready
+    else:
+        engine.start()
+    yield
+    engine.shutdown()
+
+
+# ---- what goes wrong, as OpenAI's error body ----
+
+async def api_error(request: Request, err: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return JSONResponse(error_body(err.message, err.kind, err.param, err.code), err.status, headers=headers)
+
+
+async def client_gone(request: Request, err: ClientGone) -> Response:
+    return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+async def failure(request: Request, err: Exception) -> JSONResponse:
+    """Anything a route did not expect: a 500 that says what raised (the server still logs the
+    traceback)."""
+    return await api_error(request, server_error(err))
+
+
+async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
+    message, param = describe_validation_error(err.errors())
+    return JSONResponse(error_body(message, param=param), 400)
+
+
+# ---- the routes ----
+
+routes = APIRouter()
+
+
+@routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    server = request.app.state.server
+    check_model(server, body.model)
+    body.check_logprobs(server.max_logprobs)
+    params = bad_request_unless(body.sampling_params)
+    texts, prompts = zip(*tokenized(server, body.prompts()))
+    check_fit(server, "max_tokens", body.max_tokens, prompts)
+    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    streams = await submit(server, request_id, list(prompts), params, request)
+    tokenizer = server.engine.tokenizer
+    echo = [echo_of(text, ids, tokenizer) for text, ids in zip(texts, prompts)] if body.echo else None
+    chunks = Chunks(request_id, created, server.model_name, chat=False, top_logprobs=body.top_logprobs_wanted,
+                    n=body.n, echo=echo)
+    respond = partial(completion_response, request_id=request_id, created=created, model=server.model_name,
+                      top_logprobs=body.top_logprobs_wanted, echo=echo,
+                      show_prompt_logprobs=body.prompt_logprobs is not None)
+    return await answer(server, streams, chunks, body.include_usage, body.stream, request, respond,
+                        prompt_only if body.scores_only else None)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    server = request.app.state.server
+    check_model(server, body.model)
+    body.check_logprobs(server.max_logprobs)
+    params = bad_request_unless(body.sampling_params)
+    prompt = chat_prompt(server.engine.tokenizer, [m.as_template_input() for m in body.messages], server.model_name)
+    check_fit(server, *body.max_tokens_field, [prompt])
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    streams = await submit(server, request_id, [prompt], params, request)
+    chunks = Chunks(request_id, created, server.model_name, chat=True, top_logprobs=body.top_logprobs_wanted,
+                    n=body.n)
+    respond = partial(chat_response, request_id=request_id, created=created, model=server.model_name,
+                      top_logprobs=body.top_logprobs_wanted)
+    return await answer(server, streams, chunks, body.include_usage, body.stream, request, respond)
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    server = request.app.state.server
+    card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "minivllm",
+            "max_model_len": server.engine.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+@routes.get("/health")
+async def health(request: Request) -> Response:
+    engine = request.app.state.server.engine
+    if engine.alive:
+        return Response(status_code=200)
+    reason = f"{type(engine.error).__name__}: {engine.error}" if engine.error else "stopped"
+    return JSONResponse(error_body(f"the engine is not running ({reason})", "engine_unavailable"), 503)
+
+
+@routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.server.engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    server = request.app.state.server
+    return {"model": server.model_name, "scheduler": "continuous" if server.static_batch_size is None else "static",
+            "static_batch_size": server.static_batch_size, "max_waiting": server.max_waiting,
+            "engine_core": "process" if isinstance(server.engine, AsyncLLM) else "thread",
+            **server.engine.engine_info()}
+
+
+# ---- what the routes share ----
+
+def check_model(server: Server, name: str) -> None:
+    if name != server.model_name:
+        raise APIError(404, f"The model `{name}` does not exist; this server serves `{server.model_name}`",
+                       param="model", code="model_not_found")
+
+
+def tokenized(server: Server, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+    """Each prompt's (text or None, token ids), through the engine's own tokenize; a prompt it
+    refuses is a 400 that says which one."""
+    pairs = []
+    for i, prompt in enumerate(prompts):
+        try:
+            pairs.append(server.engine.tokenize(prompt))
+        except ValueError as err:
+            raise APIError(400, f"prompt {i}: {err}" if len(prompts) > 1 else str(err), param="prompt")
+    return pairs
+
+
+def check_fit(server: Server, name: str, max_tokens: int | None, prompts: list[list[int]]) -> None:
+    """Every prompt and max_tokens within the context (check_max_tokens), or a 400."""
+    for i, prompt in enumerate(prompts):
+        where = f"prompt {i}: " if len(prompts) > 1 else ""
+        check_max_tokens(name, max_tokens, len(prompt), server.engine.max_model_len, where)
+
+
+async def submit(server: Server, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 request: Request) -> list[RequestStream]:
+    """Hand every prompt to the engine at once (they join the same step). If one is refused,
+    the others are taken back, and the refusal becomes its 4xx or 503. One prompt runs under
+    the request's id, a batch's under id-0, id-1, ... (as in vLLM)."""
+    engine = server.engine
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    adds = asyncio.gather(*(engine.add(i, p, params) for i, p in zip(ids, prompts)), return_exceptions=True)
+    try:
+        results = await unless_disconnected(request, adds)
+    except ClientGone:
+        for i in ids:  # the ones already taken in, and those still on their way (unknown ids are ignored)
+            engine.abort(i)
+        raise
+    refusals = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+    if not refusals:
+        return results
+    for i, result in zip(ids, results):
+        if isinstance(result, RequestStream):
+            engine.abort(i)
+    i, err = refusals[0]
+    where = f"prompt {i}: " if len(prompts) > 1 else ""
+    if isinstance(err, ValueError):
+        raise APIError(400, f"{where}{err}")
+    if isinstance(err, Overloaded):
+        raise APIError(503, str(err), kind="server_overloaded")
+    if isinstance(err, EngineDead):
+        raise server_error(err)
+    raise err
+
+
+async def answer(server: Server, streams: list[RequestStream], chunks: Chunks, include_usage: bool, streaming: bool,
+                 request: Request, respond: Callable[[list[RequestOutput]], dict[str, Any]],
+                 shown: Callable[[RequestOutput], RequestOutput] | None = None) -> Response:
+    """Stream the outputs as server-sent events, or wait for every prompt's last output and
+    answer once (respond: the prompts' final outputs -> the body). shown: what the client
+    sees of an output (prompt_only, to score a prompt), or None for all of it."""
+    shown = shown or (lambda output: output)
+    if streaming:
+        outputs = ((i, shown(output)) async for i, output in merge(streams))
+        return StreamingResponse(abort_if_left(server, streams, stream_events(outputs, chunks, include_usage)),
+                                 media_type="text/event-stream")
+    try:
+        outputs = await unless_disconnected(request, asyncio.gather(*(s.final() for s in streams)))
+    except ClientGone:
+        for stream in streams:
+            server.engine.abort(stream.request_id)
+        raise
+    except EngineDead as err:
+        raise server_error(err)
+    return JSONResponse(respond([shown(output) for output in outputs]))
+
+
+async def abort_if_left(server: Server, streams: list[RequestStream], events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Relay the events; if the client disconnects first, Starlette cancels this generator at
+    its current `await`, and the `finally` aborts the requests still running (their KV blocks
+    are freed before the engine's next step). If making an event fails, the stream ends with an
+    error event: the 200 and the events before it are already on their way."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as err:  # not a disconnect: that cancels, which is no Exception
+        if not isinstance(err, EngineDead):  # (the engine logged its own failure)
+            log.exception("a streamed answer failed")
+        error = server_error(err)
+        yield sse(error_body(error.message, error.kind))
+        yield DONE
+    finally:
+        for stream in streams:
+            if not stream.done:
+                server.engine.abort(stream.request_id)
 
 
 def bad_request_unless(make: Callable[[], T]) -> T:

@@ -30,12 +30,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.machine import environment
 from minivllm.serving.metrics import ServerMetrics
 
 log = logging.getLogger("minivllm.serving")
@@ -104,6 +106,11 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
     """The outputs of several streams (a request's prompts) as they come, each as (its stream's
     index, output), until every stream has finished. One read waits on each unfinished stream;
     those left waiting when the reader stops (a client gone) are cancelled."""
+    if len(streams) == 1:  # the common case: no task per output to wait on several streams
+        async for output in streams[0]:
+            yield 0, output
+        return
+
     def read(i: int) -> asyncio.Future:
         return asyncio.ensure_future(anext(streams[i]))
 
@@ -170,6 +177,27 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """The engine's own checks and tokenizer (they read only what never changes: any thread may call them)."""
+        return self.engine.tokenize(prompt)
+
+    def engine_info(self) -> dict[str, Any]:
+        """The engine's facts for /server_info."""
+        engine = self.engine
+        return {"vocab_size": engine.model.config.vocab_size, "max_model_len": engine.max_model_len,
+                "block_size": engine.block_manager.block_size, "num_kv_blocks": engine.block_manager.num_blocks,
+                "max_num_seqs": engine.scheduler.max_num_seqs,
+                "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+                "environment": environment(engine.model)}
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; returns its stream once the engine has taken it. Raises ValueError
@@ -247,7 +275,8 @@ class AsyncEngine:
     def _start(self, request: _Request) -> None:
         """Hand a request to the engine, or tell its handler why the engine refused it."""
         try:
-            self.engine.add_request(request.prompt, request.params, request.request_id, request.arrival_time)
+            self.engine.add_request(request_id=request.request_id, prompt=request.prompt, params=request.params,
+                                    arrival_time=request.arrival_time)
         except ValueError as err:
             return self._settle(request.accepted, err)
         self._streams[request.request_id] = request.stream

@@ -19,7 +19,7 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from minivllm.serving.protocol import error_body
+from minivllm.serving.responses import error_body
 
 API_KEY_VARIABLE = "MINIVLLM_API_KEY"
 

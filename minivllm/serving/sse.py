@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.outputs import RequestOutput
-from minivllm.serving.protocol import Echo, chat_logprobs, completion_logprobs, echoed_logprobs, joined, usage
+from minivllm.serving.responses import Echo, chat_logprobs, completion_logprobs, echoed_logprobs, joined, usage
 
 DONE = "data: [DONE]\n\n"
 
