@@ -1,9 +1,9 @@
-"""Download the wheels chapters 10 and 13 need on a machine that cannot reach a package registry.
+"""Download the wheels chapters 10, 13 and 15 need on a machine that cannot reach a package registry.
 
     python tools/fetch_wheels.py [--dest .whl] [--python-version 3.12] [--platform manylinux_2_28_x86_64 ...]
 
 The lent GPU machines (see README, "On a GPU") have PyTorch, Triton and transformers but not
-FastAPI, uvicorn, the official openai client or xgrammar, and reach no registry. Run this where pip
+FastAPI, uvicorn, the official openai client, pyzmq, msgspec or xgrammar, and reach no registry. Run this where pip
 can reach PyPI: it downloads the server's and the load generator's packages at the versions
 installed here (the ones this repository's tests ran with), with every dependency pip resolves for
 the target (CPython 3.12 on x86-64 Linux by default), and xgrammar (chapter 13's grammar engine)
@@ -23,7 +23,8 @@ from pathlib import Path
 
 # The distributions chapter 10 imports (the server; its load generator; the official client its
 # script and tests stream with), named as pip names them.
-PACKAGES = ("fastapi", "uvicorn", "pydantic", "httpx", "openai", "prometheus-client",
+PACKAGES = ("fastapi", "uvicorn", "uvloop", "httptools", "pydantic", "httpx", "openai", "prometheus-client",
+            "pyzmq", "msgspec",  # chapter 15: the engine core's process and its messages
             "jsonschema")  # chapter 13's checks validate what a JSON schema let through
 # Downloaded without their dependencies: xgrammar needs torch, Triton, transformers and NumPy besides
 # apache-tvm-ffi, and the GPU machine has those four.
