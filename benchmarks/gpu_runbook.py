@@ -81,7 +81,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MODEL = str(ROOT / "minivllm" / "configs" / "qwen3-0.6b.json")
 # Modules the serving part and the GPU checks import that a bare GPU machine lacks: installed from --wheels.
-EXTRA_MODULES = ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client", "xgrammar", "jsonschema")
+EXTRA_MODULES = ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client", "zmq", "msgspec", "xgrammar", "jsonschema")
 
 
 @dataclass
@@ -408,7 +408,7 @@ def run_quietly(command: list[str]) -> str | None:
 
 def extra_packages(wheels: Path, log: Path) -> tuple[str, str | None]:
     """(what happened, a folder to put on the parts' PYTHONPATH). The server, its client and
-    chapter 13 need FastAPI, uvicorn, httpx, openai and xgrammar; a GPU machine without a registry
+    chapter 13 need FastAPI, uvicorn, httpx, openai, pyzmq, msgspec and xgrammar; a GPU machine without a registry
     gets them from the wheels tools/fetch_wheels.py downloaded, installed into a folder of their own."""
     missing = [name for name in EXTRA_MODULES if importlib.util.find_spec(name) is None]
     if not missing:
