@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from minivllm.engine.async_scheduling import AsyncScheduler, SampledTokens, StepInFlight
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.detokenizer import StopChecker
@@ -92,6 +93,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.model.config.eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id (n completions each)
         self.trace: Trace | None = None  # set to Trace() to record every step
+        # Chapter 16: step N+1 planned and launched while step N runs; not with speculation (its proposals read the newest tokens).
+        self.overlap = AsyncScheduler(self) if config.async_scheduling and self.speculator is None else None
         self._ids = itertools.count()
 
     @property
@@ -225,8 +228,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output (everything so far) for every request that
-        got a new token, finished ones included (FINAL_ONLY requests: only when they finish)."""
-        start = time.perf_counter()
+        got a new token, finished ones included (FINAL_ONLY requests: only when they finish).
+        Under async scheduling (chapter 16) the outputs are those of the step before, finished
+        while this one runs."""
+        if self.overlap is not None:
+            return self.overlap.step()
+        schedule = self._schedule()
+        return [] if schedule is None else self._finish(self._launch(schedule))
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """Plan the next step; None when there is nothing to run."""
         if self.speculator is not None:
             with record_function("propose"):
                 self.speculator.propose(self.scheduler.running)  # guesses join token_ids (chapter 12)
@@ -242,15 +253,25 @@ class LLMEngine:
             compiling = {seq.grammar.compiled for seq in self.scheduler.waiting_for_grammar}
             if compiling:  # chapter 13: nothing else to run; wait a little for a grammar, not forever
                 futures.wait(compiling, timeout=GRAMMAR_WAIT, return_when=futures.FIRST_COMPLETED)
-            return []  # nothing queued, a step that only preempted, or only grammars compiling
+            return None  # nothing queued, a step that only preempted, or only grammars compiling
+        return schedule
+
+    def _launch(self, schedule: SchedulerOutput, previous: SampledTokens | None = None) -> StepInFlight:
+        """Run the model on a schedule and choose its tokens, leaving them on the device.
+        previous: the last step's tokens, which this step's placeholders stand for (chapter 16)."""
+        start = time.perf_counter()
         record = self.trace.record(schedule, self.scheduler) if self.trace is not None else None
-        rows, logits, prompt_logits = self.runner.run(schedule)  # the "prepare" and "forward" phases
+        rows, logits, prompt_logits = self.runner.run(schedule, previous)  # the "prepare" and "forward" phases
         with record_function("sample"):
             self._add_prompt_logprobs(schedule, prompt_logits)
             for seq, n in zip(schedule.seqs, schedule.num_new_tokens):
                 seq.num_computed_tokens += n
-            sampled = [schedule.seqs[i] for i in rows]
-            chosen = self._choose_tokens(logits, sampled)
+            tokens = self._choose_tokens(logits, [schedule.seqs[i] for i in rows])
+        return StepInFlight(tokens, record, start)
+
+    def _finish(self, step: StepInFlight) -> list[RequestOutput]:
+        """Append a launched step's tokens, retire the requests that finished, build the outputs."""
+        sampled, chosen, record = step.tokens.seqs, step.tokens.chosen(), step.record
         if record is not None and self.speculator is not None:
             record.accepted = {seq.request_id: len(tokens) - 1 for seq, (tokens, _) in zip(sampled, chosen)
                                if seq.request_id in record.drafts}
@@ -260,6 +281,8 @@ class LLMEngine:
             # (A FINAL_ONLY request that goes on costs nothing more here: the common case of LLM.generate.)
             answering: dict[str, SequenceGroup] = {}
             for seq, (tokens, tops) in zip(sampled, chosen):
+                if seq.is_finished:  # chapter 16: finished or aborted while this step ran; its token goes nowhere
+                    continue
                 self._append(seq, tokens, tops, now)
                 params = seq.params
                 if seq.finish_reason is not None:
@@ -276,17 +299,16 @@ class LLMEngine:
                 if finished or group.params.output_kind is RequestOutputKind.CUMULATIVE:
                     outputs.append(self._output(group))
         if record is not None:
-            record.seconds = time.perf_counter() - start
+            record.seconds = time.perf_counter() - step.start
         return outputs
 
-    def _choose_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[list[int], list]]:
+    def _choose_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         """Each sequence's new tokens and their logprobs: one sampled token, or, after a verify
         chunk (chapter 12), its accepted guesses and one more. logits holds 1 + D rows for a
         sequence with D guesses, one for the others, in order."""
         guessed = [i for i, seq in enumerate(seqs) if seq.num_spec_tokens]
         if not guessed:
-            result = self.sampler(logits, seqs, self.eos_token_ids)
-            return [([token], [top]) for token, top in zip(result.token_ids, result.logprobs)]
+            return SampledTokens(seqs, *self.sampler.sample(logits, seqs, self.eos_token_ids))
         first_row = [0]
         for seq in seqs:
             first_row.append(first_row[-1] + 1 + seq.num_spec_tokens)
@@ -302,7 +324,7 @@ class LLMEngine:
             seqs[i].num_draft_tokens += verdict.num_guesses
             seqs[i].num_accepted_tokens += len(verdict.token_ids) - 1
             chosen[i] = (verdict.token_ids, verdict.logprobs)
-        return chosen
+        return SampledTokens(seqs, chosen=chosen)
 
     def _append(self, seq: Sequence, tokens: list[int], tops: list, now: float) -> None:
         """Append a step's tokens one at a time, so that a stop token, a stop string or the

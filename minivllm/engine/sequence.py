@@ -51,6 +51,10 @@ class Sequence:
     # live only inside one LLMEngine.step (proposed, scheduled, verified, rolled back) and are
     # never output, counted as output, or cached under a prefix hash.
     num_spec_tokens: int = 0
+    # Chapter 16 (async scheduling): tokens sampled by a step whose results the host has not read
+    # yet, appended as engine/async_scheduling.PLACEHOLDER at its end so that the scheduler plans
+    # the next step. Never output, never cached under a prefix hash.
+    num_output_placeholders: int = 0
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length", "stop" or "abort"
