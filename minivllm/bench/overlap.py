@@ -28,6 +28,7 @@ import torch
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.prepare import device_step
 from minivllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.loader import load_model
 
 # A decoder that is never run: only its shape matters (the KV pool, the vocabulary of the logits).
 STAND_IN_CONFIG = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=256, hidden_size=64,
@@ -78,11 +79,9 @@ def stand_in_engine(batch_size: int, context: int, max_tokens: int, device: Stan
     """An engine whose model runs on `device`: its prepare and sampler are the real ones, its
     forward is a launch on the stand-in device and fixed logits. batch_size requests of
     ~context prompt tokens each (within 10 %), greedy, EOS ignored, FINAL_ONLY outputs."""
-    import minivllm
-
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(STAND_IN_CONFIG))
-        model = minivllm.load_model(Path(folder) / "config.json", device="cpu", dtype=torch.float32)
+        model = load_model(Path(folder) / "config.json", device="cpu", dtype=torch.float32)
     spread = context // 10
     blocks = batch_size * (-(-(context + spread + max_tokens + 2) // 16) + 1)
     engine = LLMEngine(model, num_kv_blocks=blocks, max_num_seqs=batch_size, async_scheduling=async_scheduling,
