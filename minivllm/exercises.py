@@ -46,6 +46,7 @@ NOTEBOOKS = {
     "ch12": "notebooks/12_speculative_decoding.ipynb",
     "ch13": "notebooks/13_structured_outputs.ipynb",
     "ch14": "notebooks/14_tensor_parallelism.ipynb",
+    "ch16": "notebooks/16_async_scheduling.ipynb",
 }
 
 
@@ -147,6 +148,11 @@ EXERCISES: list[Exercise] = [
     Exercise("ch14", "minivllm.distributed.layers", "vocab_parallel_lookup",
              "Exercise 14.3: the vocabulary-parallel embedding",
              "look up only the tokens this rank holds, zeros for the others"),
+    Exercise("ch16", "minivllm.engine.input_batch", "InputBatch.update", "Exercise 16.1: applying a step's differences",
+             "keep each running request's row of block tables up to date, writing only the blocks it gained"),
+    Exercise("ch16", "minivllm.engine.async_scheduling", "SampledTokens.feed",
+             "Exercise 16.2: feeding the sampled ids on the device",
+             "write last step's sampled ids over this step's placeholders, on the device, without the host"),
 ]
 
 

@@ -111,44 +111,59 @@ def stand_in_engine(batch_size: int, context: int, max_tokens: int, device: Stan
     return engine
 
 
-def step_times(batch_size: int, context: int, steps: int, device_ms: float, async_scheduling: bool,
-               seed: int = 0) -> dict[str, float]:
-    """Medians over `steps` steady decode steps (every request decoding) on the stand-in, in ms:
-    the step's wall time, the device's busy time per step, and the host's own time (wall time
-    less the time it waited for the device)."""
-    device = StandInDevice(device_ms / 1e3)
-    engine = stand_in_engine(batch_size, context, steps + 8, device, async_scheduling, seed)
-    try:
-        seqs = [seq for group in engine.requests.values() for seq in group.seqs]
+class Measured:
+    """One engine on its own stand-in device, brought to steady decoding, timed a block of steps
+    at a time (so that two of them can take turns on a shared machine)."""
+
+    def __init__(self, batch_size: int, context: int, steps: int, device_ms: float, async_scheduling: bool,
+                 seed: int = 0):
+        self.device = StandInDevice(device_ms / 1e3)
+        self.engine = stand_in_engine(batch_size, context, steps + 8, self.device, async_scheduling, seed)
+        seqs = [seq for group in self.engine.requests.values() for seq in group.seqs]
         while not all(s.num_computed_tokens >= s.num_prompt_tokens for s in seqs):
-            engine.step()  # the prompts: not measured
-        for _ in range(3):
-            engine.step()  # into the steady state (under async scheduling, one step in flight)
-        device.stream.submit(lambda: None).result()
-        device.busy.clear()
-        device.waits.clear()
-        times, host = [], []
+            self.engine.step()  # the prompts: not measured
+        self.times: list[float] = []
+        self.host: list[float] = []
+
+    def run(self, steps: int) -> None:
+        """Time `steps` steps, after one untimed step that refills the pipeline (under async
+        scheduling, one step in flight)."""
+        device = self.device
+        self.engine.step()
         for _ in range(steps):
-            start = time.perf_counter()
             waited = len(device.waits)
-            engine.step()
-            times.append(time.perf_counter() - start)
-            host.append(times[-1] - sum(device.waits[waited:]))
-        return dict(step_ms=1e3 * statistics.median(times), device_ms=1e3 * statistics.median(device.busy),
-                    host_ms=1e3 * statistics.median(host))
-    finally:
-        device.close()
+            start = time.perf_counter()
+            self.engine.step()
+            self.times.append(time.perf_counter() - start)
+            self.host.append(self.times[-1] - sum(device.waits[waited:]))
+
+    def summary(self) -> dict[str, float]:
+        """Medians in ms: the step, the device's busy time per step, the host's own time (the
+        step less the time it waited for the device)."""
+        return dict(step_ms=1e3 * statistics.median(self.times), device_ms=1e3 * statistics.median(self.device.busy),
+                    host_ms=1e3 * statistics.median(self.host))
+
+    def close(self) -> None:
+        self.device.close()
 
 
-def overlap_table(batch_size: int, context: int, steps: int, device_ms: list[float], progress: Any = None
-                  ) -> dict[str, Any]:
-    """For each device time asked for: the synchronous and the overlapped step (medians, ms),
-    the device's measured busy time and the host's own time (from the synchronous run), and
-    the two predictions, host + device and max(host, device)."""
+def overlap_table(batch_size: int, context: int, steps: int, device_ms: list[float], rounds: int = 3,
+                  progress: Any = None) -> dict[str, Any]:
+    """For each device time asked for: the synchronous and the overlapped step (medians over
+    `steps` steps each, in `rounds` turns, so that both see the same machine), the device's
+    measured busy time, the host's own time (from the synchronous engine), and the two
+    predictions, host + device and max(host, device)."""
     rows = []
     for ms in device_ms:
-        sync = step_times(batch_size, context, steps, ms, False)
-        overlapped = step_times(batch_size, context, steps, ms, True)
+        engines = [Measured(batch_size, context, steps + rounds, ms, overlap) for overlap in (False, True)]
+        try:
+            for r in range(rounds):
+                for engine in engines if r % 2 == 0 else engines[::-1]:
+                    engine.run(-(-steps // rounds))
+            sync, overlapped = (engine.summary() for engine in engines)
+        finally:
+            for engine in engines:
+                engine.close()
         host, device = sync["host_ms"], sync["device_ms"]
         rows.append(dict(asked_device_ms=ms, device_ms=device, host_ms=host, sync_ms=sync["step_ms"],
                          async_ms=overlapped["step_ms"], async_host_ms=overlapped["host_ms"],
@@ -156,7 +171,7 @@ def overlap_table(batch_size: int, context: int, steps: int, device_ms: list[flo
                          speedup=sync["step_ms"] / overlapped["step_ms"]))
         if progress is not None:
             progress(rows[-1])
-    return dict(batch_size=batch_size, context=context, steps=steps, rows=rows)
+    return dict(batch_size=batch_size, context=context, steps=steps, rounds=rounds, rows=rows)
 
 
 def gpu_overlap(model: Any, batch_size: int = 256, context: int = 600, steps: int = 20, **engine_options: Any

@@ -77,19 +77,27 @@ class SampledTokens:
         return self._chosen
 
     def feed(self, seqs: list[Sequence], arrays: StepArrays, flat: torch.Tensor) -> None:
-        """Write, on the device, these tokens over the placeholders among the next step's input
-        ids: flat[:T] holds the input ids of a step of `seqs` laid out as `arrays`."""
-        row_of = {seq: i for i, seq in enumerate(self.seqs)}
+        """Write these tokens over the placeholders among the next step's input ids, on the device.
+
+        flat: the next step's inputs on the device, laid out as `arrays` (a step of `seqs`), its
+        first T entries, flat[:T], the input ids; sequence i's tokens start at arrays.query_start[i],
+        at its position seq.num_computed_tokens (not yet advanced). A sequence with a placeholder
+        (seq.num_output_placeholders > 0) that is one of self.seqs, row j here, has it as its last
+        token, at position seq.num_tokens - 1: its input id there becomes self.device[j]. Every
+        other entry of flat is untouched. One gather and one scatter on the device, whatever the
+        number of sequences, and no copy to the host: the host never waits for the device here."""
+        # BEGIN SOLUTION
+        row_of = {seq: j for j, seq in enumerate(self.seqs)}
         targets, sources = [], []
         for i, seq in enumerate(seqs):
             source = row_of.get(seq)
             if seq.num_output_placeholders and source is not None:
-                # Its placeholder is its last token, at position num_tokens - 1 of this chunk.
                 targets.append(int(arrays.query_start[i]) + seq.num_tokens - 1 - seq.num_computed_tokens)
                 sources.append(source)
         if targets:
             index = to_device(np.array(targets + sources, dtype=np.int64), flat.device).view(2, -1)
             flat[index[0]] = self.device[index[1]]
+        # END SOLUTION
 
 
 def add_placeholders(seqs: list[Sequence]) -> None:

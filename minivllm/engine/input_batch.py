@@ -57,32 +57,44 @@ class InputBatch:
         return len(self.row_of)
 
     def update(self, seqs: Seq[Sequence]) -> np.ndarray:
-        """Bring the rows of `seqs` up to date with their block tables (writing only what changed)
-        and return their rows, in order."""
+        """Apply a step's differences: bring the rows of `seqs` up to date with their block tables
+        and return their rows, int64 [len(seqs)], in the order of seqs.
+
+        A sequence without a row (not in self.row_of) gets one from self._new_row(seq, seqs),
+        with nothing written yet. A sequence with a row has self.num_blocks[row] blocks of its
+        table written there. That row is stale, and is cleared (its written blocks set back to -1)
+        and written whole, when the sequence was preempted since (self.version[row] differs from
+        seq.num_preemptions; set it to the new count), when its table is now shorter than what
+        was written, or, only if self.rollback, when the written blocks differ from the first
+        blocks of its table. Otherwise only the blocks it gained, seq.block_table[known:], are
+        written: a decode step usually writes nothing, or one block. Afterwards, for every
+        sequence, self.tables[row, :len(table)] equals its block table, self.num_blocks[row] its
+        length, and the row holds -1 past its end. A table longer than self.tables is wide calls
+        self._widen(len(table)) first. Nothing else changes, and other rows are untouched."""
+        # BEGIN SOLUTION
         rows = np.empty(len(seqs), dtype=np.int64)
-        tables, num_blocks, version = self.tables, self.num_blocks, self.version
         for i, seq in enumerate(seqs):
             table, row = seq.block_table, self.row_of.get(seq)
             if row is None:
                 row = self._new_row(seq, seqs)
-                tables, num_blocks, version = self.tables, self.num_blocks, self.version  # perhaps grown
-            known, now = int(num_blocks[row]), len(table)
-            if (version[row] != seq.num_preemptions or known > now
-                    or (self.rollback and tables[row, :known].tolist() != table[:known])):
-                tables[row, :known] = -1  # refilled after a preemption, or rolled back and regrown: rewrite
-                known, version[row] = 0, seq.num_preemptions
+            known, now = int(self.num_blocks[row]), len(table)
+            if (self.version[row] != seq.num_preemptions or known > now
+                    or (self.rollback and self.tables[row, :known].tolist() != table[:known])):
+                self.tables[row, :known] = -1  # refilled after a preemption, or rolled back and regrown
+                known, self.version[row] = 0, seq.num_preemptions
             if now > known:
-                if now > tables.shape[1]:
+                if now > self.tables.shape[1]:
                     self._widen(now)
-                    tables = self.tables
-                tables[row, known:now] = table[known:now]  # the difference: usually nothing, or one block
-                num_blocks[row] = now
+                self.tables[row, known:now] = table[known:now]  # the difference: usually nothing, or one block
+                self.num_blocks[row] = now
             rows[i] = row
         return rows
+        # END SOLUTION
 
     def _new_row(self, seq: Sequence, step: Seq[Sequence]) -> int:
-        """A row for a newcomer: a free one, else the row of a request that stopped running (found
-        lazily, only when the free rows run out), else a larger array."""
+        """A row for a newcomer (registered in self.row_of, nothing written): a free one, else the
+        row of a request that stopped running (found lazily, only when the free rows run out),
+        else a larger array."""
         if not self.free_rows:
             scheduled = set(step)
             # A request that stopped running, or a table let go of (a forgotten draft shadow, chapter 12).

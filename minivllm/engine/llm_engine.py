@@ -261,7 +261,8 @@ class LLMEngine:
         previous: the last step's tokens, which this step's placeholders stand for (chapter 16)."""
         start = time.perf_counter()
         record = self.trace.record(schedule, self.scheduler) if self.trace is not None else None
-        rows, logits, prompt_logits = self.runner.run(schedule, previous)  # the "prepare" and "forward" phases
+        # The "prepare" and "forward" phases (with the last step's tokens only under async scheduling).
+        rows, logits, prompt_logits = self.runner.run(schedule) if previous is None else self.runner.run(schedule, previous)
         with record_function("sample"):
             self._add_prompt_logprobs(schedule, prompt_logits)
             for seq, n in zip(schedule.seqs, schedule.num_new_tokens):

@@ -28,10 +28,14 @@ from minivllm.attention.paged import KVPool
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.cuda_graphs import GraphRunner, bucket_for
 from minivllm.engine.input_batch import InputBatch
-from minivllm.engine.prepare import StepArrays, device_step, to_device
+from minivllm.engine.prepare import StepArrays, build_step_arrays, device_step, to_device
 from minivllm.engine.async_scheduling import SampledTokens
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.model import Decoder
+
+# Chapter 16's persistent batch. The checks of chapters 7-14 turn it off (tests/conftest.py), so
+# that they test the runner as those chapters built it, and none depends on chapter 16's exercise.
+PERSISTENT_BATCH = True
 
 
 @dataclass
@@ -68,7 +72,7 @@ class ModelRunner:
         # Chapter 16: block tables in rows that persist across steps, written only where they change
         # (speculation's rollback can change them anywhere past its cut: compared whole then).
         self.batch = InputBatch(config.max_num_seqs, -(-config.max_model_len // config.block_size), config.block_size,
-                                model.device, rollback=config.speculative_config is not None)
+                                model.device, rollback=config.speculative_config is not None) if PERSISTENT_BATCH else None
         self.graphs = None
         if config.cuda_graphs:
             with torch.inference_mode():
@@ -87,10 +91,15 @@ class ModelRunner:
         seqs, num_new = schedule.seqs, schedule.num_new_tokens
         replay = self.graphs is not None and self.graphs.can_run(num_new)
         with record_function("prepare"):
-            if replay:  # padded to a captured batch size, in the graphs' static buffers
+            if replay and self.batch is None:  # padded to a captured batch size, in the graphs' static buffers
+                graph_size, arrays, flat = self.graphs.prepare(seqs)
+            elif replay:  # the same, from the persistent batch's rows
                 graph_size = bucket_for(len(seqs), self.graphs.sizes)
                 arrays = self.batch.step_arrays(seqs, num_new, graph_size, self.graphs.pad_block)
                 flat = self.graphs.load(arrays)
+            elif self.batch is None:
+                graph_size, arrays = None, build_step_arrays(seqs, num_new, self.pool.block_size)
+                flat = to_device(arrays.pack(), self.model.device)
             else:
                 graph_size, arrays = None, self.batch.step_arrays(seqs, num_new)
                 flat = self.batch.to_device(arrays.pack())
