@@ -93,7 +93,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.model.config.eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id (n completions each)
         self.trace: Trace | None = None  # set to Trace() to record every step
-        # Chapter 16: step N+1 planned and launched while step N runs; not with speculation (its proposals read the newest tokens).
+        # Chapter 16: step N+1 planned and launched while step N runs; not with speculation (its
+        # proposals read the newest tokens).
         self.overlap = AsyncScheduler(self) if config.async_scheduling and self.speculator is None else None
         self._ids = itertools.count()
 
@@ -261,8 +262,9 @@ class LLMEngine:
         previous: the last step's tokens, which this step's placeholders stand for (chapter 16)."""
         start = time.perf_counter()
         record = self.trace.record(schedule, self.scheduler) if self.trace is not None else None
-        # The "prepare" and "forward" phases (with the last step's tokens only under async scheduling).
-        rows, logits, prompt_logits = self.runner.run(schedule) if previous is None else self.runner.run(schedule, previous)
+        # The "prepare" and "forward" phases (given the last step's tokens only under async scheduling).
+        run = self.runner.run
+        rows, logits, prompt_logits = run(schedule) if previous is None else run(schedule, previous)
         with record_function("sample"):
             self._add_prompt_logprobs(schedule, prompt_logits)
             for seq, n in zip(schedule.seqs, schedule.num_new_tokens):

@@ -71,8 +71,10 @@ class ModelRunner:
         self.pool = KVPool(model, config.num_kv_blocks + 1, config.block_size)
         # Chapter 16: block tables in rows that persist across steps, written only where they change
         # (speculation's rollback can change them anywhere past its cut: compared whole then).
-        self.batch = InputBatch(config.max_num_seqs, -(-config.max_model_len // config.block_size), config.block_size,
-                                model.device, rollback=config.speculative_config is not None) if PERSISTENT_BATCH else None
+        self.batch = None
+        if PERSISTENT_BATCH:
+            self.batch = InputBatch(config.max_num_seqs, -(-config.max_model_len // config.block_size),
+                                    config.block_size, model.device, rollback=config.speculative_config is not None)
         self.graphs = None
         if config.cuda_graphs:
             with torch.inference_mode():
