@@ -184,7 +184,8 @@ def gpu_overlap(model: Any, batch_size: int = 256, context: int = 600, steps: in
 
     out: dict[str, Any] = {}
     for overlap in (False, True):
-        profile = profile_steps(model, batch_size, context, steps, async_scheduling=overlap, **engine_options)
+        profile = profile_steps(model, batch_size=batch_size, context=context, steps=steps, async_scheduling=overlap,
+                                **engine_options)
         summary = profile.summary()
         out["async" if overlap else "sync"] = summary | dict(profile=profile.to_dict())
     for name in ("sync", "async"):
