@@ -6,6 +6,7 @@
     block_manager.py    the paged KV cache's blocks (chapter 6); prefix_cache.py shares them (chapter 11)
     scheduler.py        which tokens of which requests run this step, under a token budget
     prepare.py          a step's inputs as flat arrays, in one copy to the device (chapter 9)
+    input_batch.py      chapter 16: block tables in rows kept across steps, written by difference
     model_runner.py     a schedule -> one forward pass -> logits; cuda_graphs.py replays decode steps
     sampler.py          logits -> tokens (penalties.py, logprobs.py: what requests may ask for)
     structured_outputs/ chapter 13: outputs that fit a JSON schema, a regex, choices or a grammar
@@ -14,6 +15,7 @@
     outputs.py          RequestOutput and CompletionOutput, as vLLM's
     trace.py            a record of every step, for the chapters' pictures
     llm_engine.py       the online engine: add_request, step, abort_request
+    async_scheduling.py chapter 16: step N+1 scheduled and launched while step N runs
     llm.py              LLM: the offline API, a loop around LLMEngine
     spec_decode/        chapter 12: guesses (prompt lookup or a draft model), verified in one forward pass
 
