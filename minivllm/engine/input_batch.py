@@ -22,9 +22,10 @@ positions, slots, sampling rows) is computed exactly as chapter 9 computes it, s
 are equal to `build_step_arrays`' (tests/test_ch16_persistent_batch.py checks that, step by
 step, under preemption and rollback).
 
-On a GPU the packed step goes to the device from one of two preallocated pinned buffers, not a
-freshly pinned one each step; two, because under async scheduling (async_scheduling.py) the
-host prepares step N+1 while step N's copy may still be queued behind the GPU's work.
+On a GPU an eager step's packed inputs go to the device from one of two preallocated pinned
+buffers, not a freshly pinned one each step; two, because under async scheduling
+(async_scheduling.py) the host prepares step N+1 while step N's copy may still be queued behind
+the GPU's work. (A graph replay's copy is still chapter 9's, `GraphRunner.load`.)
 """
 from __future__ import annotations
 
