@@ -1,4 +1,4 @@
-"""The engine core (chapters 7-15): the scheduler, the model runner and the sampler, and nothing
+"""The engine core (chapters 7-16): the scheduler, the model runner and the sampler, and nothing
 a user reads. Requests come in as token ids (`EngineCoreRequest`); each step goes out as, per
 sequence that got tokens, only what is new: the step's token ids, their logprobs if asked, and
 why it finished (`EngineCoreOutput`).
@@ -8,10 +8,12 @@ retire the finished requests, in three parts: `_schedule`, `_launch` (run and sa
 left on the device) and `_finish` (append, retire, the outputs). Synchronously they run in that
 order; under async scheduling (chapter 16, async_scheduling.py) the core's `AsyncScheduler` runs
 step N+1's schedule and launch before step N's finish, here in the core, so the overlap works
-wherever the core runs (in the caller's thread or in a process of its own). Text, stop strings and RequestOutputs are the output processor's
-(output_processor.py); checks and tokenizing are the input processor's (input_processor.py).
-That split is what lets the core run in a process of its own (core_process/, chapter 15): what
-crosses between the two is small and plain, and the core never waits on anything but the model.
+wherever the core runs (in the caller's thread or in a process of its own).
+
+Text, stop strings and RequestOutputs are the output processor's (output_processor.py); checks
+and tokenizing are the input processor's (input_processor.py). That split is what lets the core
+run in a process of its own (core_process/, chapter 15): what crosses between the two is small
+and plain, and the core never waits on anything but the model.
 
 A request for n completions (chapter 10) is a SequenceGroup of n sequences that the scheduler
 runs independently; each sequence's output names its index. A request with structured_outputs
