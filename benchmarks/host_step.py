@@ -15,8 +15,10 @@ here it would hide the host's own).
 Per step, the median over --steps decode steps:
 
 - schedule: `Scheduler.schedule` (with the block manager's and the prefix cache's bookkeeping);
-- prepare (eager): `build_step_arrays`, the packed buffer and its views (`device_step`);
-- prepare (graph): `build_step_arrays` padded to the step's batch-size bucket, as a graph replay
+- prepare (eager): the step's arrays (chapter 16's persistent batch, `InputBatch.step_arrays`,
+  where the tree has one; else chapter 9's `build_step_arrays`), the packed buffer and its views
+  (`device_step`);
+- prepare (graph): the same arrays padded to the step's batch-size bucket, as a graph replay
   does;
 - sample: the sampler (all rows greedy: an argmax and the tokens back to the host);
 - finish: the rest of `LLMEngine.step`: counting computed tokens, appending the tokens,
@@ -25,7 +27,8 @@ Per step, the median over --steps decode steps:
 With --baseline REV, the same measurement also runs on the code of git revision REV (exported
 with `git archive`), the two alternating round by round, each in a fresh process: the ratios
 come from one run on one machine state, which is what a shared machine allows. Results:
-benchmarks/results/09_host_step_cpu.json.
+benchmarks/results/09_host_step_cpu.json (--results names another: chapter 16's comparison of the
+persistent batch with the revision before it is 16_host_step_cpu).
 """
 from __future__ import annotations
 
@@ -74,19 +77,30 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     clock = time.perf_counter
 
-    def run(schedule):  # the runner's prepare, then fixed logits for the rows that sample
+    # Chapter 16's persistent batch where the tree has one (rows kept across steps); chapter 9's
+    # build_step_arrays, from the requests' lists every step, where it has not.
+    batch = getattr(engine.runner, "batch", None)
+
+    def arrays_of(seqs, num_new, num_rows=None, pad_block=None):
+        if batch is not None:
+            return batch.step_arrays(seqs, num_new, num_rows, pad_block)
+        return build_step_arrays(seqs, num_new, 16, num_rows=num_rows, pad_block=pad_block)
+
+    def run(schedule, previous=None):  # the runner's prepare, then fixed logits for the rows that sample
         seqs, num_new = schedule.seqs, schedule.num_new_tokens
         start = clock()
-        arrays = build_step_arrays(seqs, num_new, 16)
+        arrays = arrays_of(seqs, num_new)
         device_step(arrays, to_device(arrays.pack(), model.device))
         middle = clock()
         if all(n == 1 for n in num_new):
-            build_step_arrays(seqs, num_new, 16, num_rows=bucket_for(len(seqs), buckets), pad_block=blocks).pack()
+            arrays_of(seqs, num_new, num_rows=bucket_for(len(seqs), buckets), pad_block=blocks).pack()
         times["prepare (eager)"].append(middle - start)
         times["prepare (graph)"].append(clock() - middle)
         return arrays.samplers, logits[:len(arrays.samplers)], {}
 
-    schedule_fn, sampler = engine.scheduler.schedule, engine.sampler
+    schedule_fn = engine.scheduler.schedule
+    # Chapter 16's engine asks the sampler for tokens left on the device (Sampler.sample); before, it called it.
+    sampler = getattr(engine.sampler, "sample", engine.sampler)
 
     def timed_schedule():
         start = clock()
@@ -100,7 +114,11 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
         times["sample"].append(clock() - start)
         return out
 
-    engine.runner.run, engine.scheduler.schedule, engine.sampler = run, timed_schedule, timed_sample
+    engine.runner.run, engine.scheduler.schedule = run, timed_schedule
+    if sampler is engine.sampler:
+        engine.sampler = timed_sample
+    else:
+        engine.sampler.sample = timed_sample
     # As LLM.generate (the benchmarks) asks: the output once, when the request finishes.
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -164,6 +182,8 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="a git revision to measure side by side with this tree")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of each measurement")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results", default="09_host_step_cpu",
+                        help="name of the JSON under benchmarks/results/ (chapter 16 writes 16_host_step_cpu)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name in ("batch_size", "steps", "rounds", "threads"):
@@ -219,7 +239,7 @@ def main() -> None:
     console.print(table)
     from minivllm.bench.harness import save_results
 
-    path = save_results("09_host_step_cpu", dict(
+    path = save_results(args.results, dict(
         created=time.strftime("%Y-%m-%d %H:%M:%S"), machine=machine, python=platform.python_version(),
         batch_size=args.batch_size, context=args.context, steps=args.steps, rounds=args.rounds,
         command=" ".join(["python", "benchmarks/host_step.py", *sys.argv[1:]]), model=CONFIG,

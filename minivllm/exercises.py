@@ -47,6 +47,7 @@ NOTEBOOKS = {
     "ch13": "notebooks/13_structured_outputs.ipynb",
     "ch14": "notebooks/14_tensor_parallelism.ipynb",
     "ch15": "notebooks/15_engine_core_process.ipynb",
+    "ch16": "notebooks/16_async_scheduling.ipynb",
 }
 
 
@@ -150,6 +151,11 @@ EXERCISES: list[Exercise] = [
              "look up only the tokens this rank holds, zeros for the others"),
     Exercise("ch15", "minivllm.engine.output_processor", "new_delta", "Exercise 15.1: the output processor's delta",
              "what one completion produced since its last DELTA output: new tokens, new text, their logprobs"),
+    Exercise("ch16", "minivllm.engine.input_batch", "InputBatch.update", "Exercise 16.1: applying a step's differences",
+             "keep each running request's row of block tables up to date, writing only the blocks it gained"),
+    Exercise("ch16", "minivllm.engine.async_scheduling", "SampledTokens.feed",
+             "Exercise 16.2: feeding the sampled ids on the device",
+             "write last step's sampled ids over this step's placeholders, on the device, without the host"),
 ]
 
 

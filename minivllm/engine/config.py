@@ -15,6 +15,7 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     speculative_config      off (None); a dict as vLLM's                 12
     disable_any_whitespace  on: JSON constraints without free whitespace 13
     tensor_parallel_size    (1: one process; never chosen for you)       14
+    async_scheduling        on on a GPU (one process), off on a CPU      16
 """
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def check_setting(name: str, value: Any, minimum: int, allow_none: bool = False)
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+def default_async_scheduling(device: torch.device) -> bool:
+    """Chapter 16's overlap on a GPU, where the host works while the device computes. Off on a CPU,
+    where the model runs on the host's own cores and there is nothing to overlap with."""
+    return torch.device(device).type == "cuda"
+
+
 def default_attention(device: torch.device) -> str:
     """Chapter 8's Triton kernels on a GPU when Triton is installed; chapter 6's PyTorch otherwise."""
     return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
@@ -86,6 +93,7 @@ class EngineConfig:
     speculative_config: dict | SpeculativeConfig | None = None  # chapter 12: guess tokens, verify them in one pass
     disable_any_whitespace: bool | None = None  # JSON constraints: no free whitespace (a request may say otherwise)
     tensor_parallel_size: int = 1  # processes the model is split across (chapter 14)
+    async_scheduling: bool | None = None  # chapter 16: plan step N+1 while step N runs on the device
 
     def __post_init__(self) -> None:
         for name, minimum, allow_none in (("block_size", 1, False), ("num_kv_blocks", 1, True),
@@ -98,7 +106,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (automatic), got {value!r}")
-        for name in ("enable_prefix_caching", "disable_any_whitespace"):
+        for name in ("enable_prefix_caching", "disable_any_whitespace", "async_scheduling"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (the default), got {value!r}")
@@ -150,6 +158,12 @@ class EngineConfig:
         no_whitespace = self.disable_any_whitespace
         if no_whitespace is None:
             no_whitespace = DISABLE_ANY_WHITESPACE_DEFAULT
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling=True needs tensor_parallel_size=1: the other ranks receive a plan "
+                             "whose input ids are all known on the host")
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = default_async_scheduling(model.device) and self.tensor_parallel_size == 1
         num_kv_blocks = self.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for_memory(model, self.block_size, self.max_num_seqs, max_model_len)
@@ -158,4 +172,4 @@ class EngineConfig:
                      self.block_size, f"{num_kv_blocks * self.block_size:,}", f"{mib:,.0f}", model.device)
         return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, attention=attention,
                                    cuda_graphs=cuda_graphs, fused_ops=fused_ops, enable_prefix_caching=prefix_caching,
-                                   disable_any_whitespace=no_whitespace)
+                                   disable_any_whitespace=no_whitespace, async_scheduling=async_scheduling)

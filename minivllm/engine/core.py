@@ -1,13 +1,19 @@
-"""The engine core (chapters 7-15): the scheduler, the model runner and the sampler, and nothing
+"""The engine core (chapters 7-16): the scheduler, the model runner and the sampler, and nothing
 a user reads. Requests come in as token ids (`EngineCoreRequest`); each step goes out as, per
 sequence that got tokens, only what is new: the step's token ids, their logprobs if asked, and
 why it finished (`EngineCoreOutput`).
 
 Each step is: scheduler.schedule() -> model_runner.run() -> sampler() -> append the new tokens,
-retire the finished requests. Text, stop strings and RequestOutputs are the output processor's
-(output_processor.py); checks and tokenizing are the input processor's (input_processor.py).
-That split is what lets the core run in a process of its own (core_process/, chapter 15): what
-crosses between the two is small and plain, and the core never waits on anything but the model.
+retire the finished requests, in three parts: `_schedule`, `_launch` (run and sample, the tokens
+left on the device) and `_finish` (append, retire, the outputs). Synchronously they run in that
+order; under async scheduling (chapter 16, async_scheduling.py) the core's `AsyncScheduler` runs
+step N+1's schedule and launch before step N's finish, here in the core, so the overlap works
+wherever the core runs (in the caller's thread or in a process of its own).
+
+Text, stop strings and RequestOutputs are the output processor's (output_processor.py); checks
+and tokenizing are the input processor's (input_processor.py). That split is what lets the core
+run in a process of its own (core_process/, chapter 15): what crosses between the two is small
+and plain, and the core never waits on anything but the model.
 
 A request for n completions (chapter 10) is a SequenceGroup of n sequences that the scheduler
 runs independently; each sequence's output names its index. A request with structured_outputs
@@ -26,6 +32,7 @@ import msgspec
 import torch
 from torch.profiler import record_function
 
+from minivllm.engine.async_scheduling import AsyncScheduler, SampledTokens, StepInFlight
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.input_processor import EngineCoreRequest
@@ -103,6 +110,9 @@ class EngineCore:
         self.eos_token_ids = set(model.config.eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}  # unfinished requests by id (n completions each)
         self.trace: Trace | None = None  # set to Trace() to record every step
+        # Chapter 16: step N+1 planned and launched while step N runs; not with speculation (its
+        # proposals read the newest tokens).
+        self.overlap = AsyncScheduler(self) if config.async_scheduling and self.speculator is None else None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a checked request (input_processor.py). Raises ValueError, touching nothing, for
@@ -178,8 +188,16 @@ class EngineCore:
                                None if self.speculator is None else self.speculator.stats)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one scheduled step; return what it added to every sequence that got tokens."""
-        start = time.perf_counter()
+        """Run one scheduled step; return what it added to every sequence that got tokens.
+        Under async scheduling (chapter 16) that is the step before's news, finished while this
+        one runs."""
+        if self.overlap is not None:
+            return self.overlap.step()
+        schedule = self._schedule()
+        return [] if schedule is None else self._finish(self._launch(schedule))
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """Plan the next step; None when there is nothing to run."""
         if self.speculator is not None:
             with record_function("propose"):
                 self.speculator.propose(self.scheduler.running)  # guesses join token_ids (chapter 12)
@@ -195,15 +213,27 @@ class EngineCore:
             compiling = {seq.grammar.compiled for seq in self.scheduler.waiting_for_grammar}
             if compiling:  # chapter 13: nothing else to run; wait a little for a grammar, not forever
                 futures.wait(compiling, timeout=GRAMMAR_WAIT, return_when=futures.FIRST_COMPLETED)
-            return []  # nothing queued, a step that only preempted, or only grammars compiling
+            return None  # nothing queued, a step that only preempted, or only grammars compiling
+        return schedule
+
+    def _launch(self, schedule: SchedulerOutput, previous: SampledTokens | None = None) -> StepInFlight:
+        """Run the model on a schedule and choose its tokens, leaving them on the device.
+        previous: the last step's tokens, which this step's placeholders stand for (chapter 16)."""
+        start = time.perf_counter()
         record = self.trace.record(schedule, self.scheduler) if self.trace is not None else None
-        rows, logits, prompt_logits = self.runner.run(schedule)  # the "prepare" and "forward" phases
+        # The "prepare" and "forward" phases (given the last step's tokens only under async scheduling).
+        run = self.runner.run
+        rows, logits, prompt_logits = run(schedule) if previous is None else run(schedule, previous)
         with record_function("sample"):
             self._add_prompt_logprobs(schedule, prompt_logits)
             for seq, n in zip(schedule.seqs, schedule.num_new_tokens):
                 seq.num_computed_tokens += n
-            sampled = [schedule.seqs[i] for i in rows]
-            chosen = self._choose_tokens(logits, sampled)
+            tokens = self._choose_tokens(logits, [schedule.seqs[i] for i in rows])
+        return StepInFlight(tokens, record, start)
+
+    def _finish(self, step: StepInFlight) -> list[EngineCoreOutput]:
+        """Append a launched step's tokens, retire the sequences that finished, build the outputs."""
+        sampled, chosen, record = step.tokens.seqs, step.tokens.chosen(), step.record
         if record is not None and self.speculator is not None:
             record.accepted = {seq.request_id: len(tokens) - 1 for seq, (tokens, _) in zip(sampled, chosen)
                                if seq.request_id in record.drafts}
@@ -211,6 +241,10 @@ class EngineCore:
         with record_function("finish"):
             outputs = []
             for seq, (tokens, tops) in zip(sampled, chosen):
+                # Chapter 16: finished (its end was in the step before) or aborted (a stop string,
+                # a disconnect) while this step ran: its extra token goes nowhere.
+                if seq.is_finished:
+                    continue
                 appended = self._append(seq, tokens, now)
                 if seq.finish_reason is not None:
                     seq.finish_time = now
@@ -219,17 +253,16 @@ class EngineCore:
                         del self.requests[seq.group.request_id]
                 outputs.append(self._output(seq, tokens[:appended], tops[:appended]))
         if record is not None:
-            record.seconds = time.perf_counter() - start
+            record.seconds = time.perf_counter() - step.start
         return outputs
 
-    def _choose_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[list[int], list]]:
+    def _choose_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         """Each sequence's new tokens and their logprobs: one sampled token, or, after a verify
         chunk (chapter 12), its accepted guesses and one more. logits holds 1 + D rows for a
         sequence with D guesses, one for the others, in order."""
         guessed = [i for i, seq in enumerate(seqs) if seq.num_spec_tokens]
         if not guessed:
-            result = self.sampler(logits, seqs, self.eos_token_ids)
-            return [([token], [top]) for token, top in zip(result.token_ids, result.logprobs)]
+            return SampledTokens(seqs, *self.sampler.sample(logits, seqs, self.eos_token_ids))
         first_row = [0]
         for seq in seqs:
             first_row.append(first_row[-1] + 1 + seq.num_spec_tokens)
@@ -245,7 +278,7 @@ class EngineCore:
             seqs[i].num_draft_tokens += verdict.num_guesses
             seqs[i].num_accepted_tokens += len(verdict.token_ids) - 1
             chosen[i] = (verdict.token_ids, verdict.logprobs)
-        return chosen
+        return SampledTokens(seqs, chosen=chosen)
 
     def _append(self, seq: Sequence, tokens: list[int], now: float) -> int:
         """Append a step's tokens one at a time, so that a stop token, the grammar's end or the

@@ -53,8 +53,8 @@ class LLMEngine:
         used only when loading). The tokenizer comes with the checkpoint when there is one.
         The engine's settings (block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
         max_model_len, attention, cuda_graphs, fused_ops, enable_prefix_caching, speculative_config,
-        disable_any_whitespace, tensor_parallel_size) come as keywords or as one EngineConfig, never
-        both; see engine/config.py for what each one does."""
+        disable_any_whitespace, tensor_parallel_size, async_scheduling) come as keywords or as one
+        EngineConfig, never both; see engine/config.py for what each one does."""
         if config is not None and settings:
             raise ValueError(f"pass the engine's settings as keywords or as config=EngineConfig(...), not both "
                              f"(got config and {', '.join(sorted(settings))})")
@@ -83,6 +83,7 @@ class LLMEngine:
     eos_token_ids = CorePart()
     requests = CorePart()
     trace: Trace | None = CorePart()
+    overlap = CorePart()  # chapter 16: the core's AsyncScheduler, or None (synchronous steps)
 
     @property
     def max_model_len(self) -> int:

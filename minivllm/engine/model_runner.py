@@ -26,10 +26,16 @@ from torch.profiler import record_function
 from minivllm.attention import paged_attention_class
 from minivllm.attention.paged import KVPool
 from minivllm.engine.config import EngineConfig
-from minivllm.engine.cuda_graphs import GraphRunner
+from minivllm.engine.cuda_graphs import GraphRunner, bucket_for
+from minivllm.engine.input_batch import InputBatch
 from minivllm.engine.prepare import StepArrays, build_step_arrays, device_step, to_device
+from minivllm.engine.async_scheduling import SampledTokens
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.model import Decoder
+
+# Chapter 16's persistent batch. The checks of chapters 7-14 turn it off (tests/conftest.py), so
+# that they test the runner as those chapters built it, and none depends on chapter 16's exercise.
+PERSISTENT_BATCH = True
 
 
 @dataclass
@@ -63,6 +69,12 @@ class ModelRunner:
         # One block more than the block manager hands out: the rows that pad a CUDA graph's
         # batch read and write that one, so they never touch a request's cache.
         self.pool = KVPool(model, config.num_kv_blocks + 1, config.block_size)
+        # Chapter 16: block tables in rows that persist across steps, written only where they change
+        # (speculation's rollback can change them anywhere past its cut: compared whole then).
+        self.batch = None
+        if PERSISTENT_BATCH:
+            self.batch = InputBatch(config.max_num_seqs, -(-config.max_model_len // config.block_size),
+                                    config.block_size, model.device, rollback=config.speculative_config is not None)
         self.graphs = None
         if config.cuda_graphs:
             with torch.inference_mode():
@@ -70,20 +82,31 @@ class ModelRunner:
                                           config.max_model_len, graph_class)
 
     @torch.inference_mode()
-    def run(self, schedule: SchedulerOutput) -> tuple[list[int], torch.Tensor, dict[int, torch.Tensor]]:
+    def run(self, schedule: SchedulerOutput, previous: SampledTokens | None = None
+            ) -> tuple[list[int], torch.Tensor, dict[int, torch.Tensor]]:
         """Run the scheduled tokens. Returns the indices (into schedule.seqs) of the sequences
         that produce a token this step, their logits [len(indices), vocab], and the logits of
         every token computed this step [num_new_tokens, vocab] (row j predicts the token after
         it) for each sequence whose request asked for prompt logprobs and computed prompt
-        tokens, keyed by its index."""
+        tokens, keyed by its index. previous (chapter 16, async scheduling): the last step's
+        tokens, still on the device, which this step's placeholders stand for."""
         seqs, num_new = schedule.seqs, schedule.num_new_tokens
         replay = self.graphs is not None and self.graphs.can_run(num_new)
         with record_function("prepare"):
-            if replay:  # padded to a captured batch size, in the graphs' static buffers
+            if replay and self.batch is None:  # padded to a captured batch size, in the graphs' static buffers
                 graph_size, arrays, flat = self.graphs.prepare(seqs)
-            else:
+            elif replay:  # the same, from the persistent batch's rows
+                graph_size = bucket_for(len(seqs), self.graphs.sizes)
+                arrays = self.batch.step_arrays(seqs, num_new, graph_size, self.graphs.pad_block)
+                flat = self.graphs.load(arrays)
+            elif self.batch is None:
                 graph_size, arrays = None, build_step_arrays(seqs, num_new, self.pool.block_size)
                 flat = to_device(arrays.pack(), self.model.device)
+            else:
+                graph_size, arrays = None, self.batch.step_arrays(seqs, num_new)
+                flat = self.batch.to_device(arrays.pack())
+            if previous is not None:
+                previous.feed(seqs, arrays, flat)
             prompt_rows = {i: (int(arrays.query_start[i]), int(arrays.query_start[i + 1]))
                            for i, seq in enumerate(seqs)
                            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens}

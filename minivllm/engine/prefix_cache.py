@@ -196,10 +196,10 @@ class PrefixCachingBlockManager(BlockManager):
 
     def _register_full_blocks(self, table: list[int], num_tokens: int) -> None:
         """Name each block that the first num_tokens tokens fill (their K/V are written this step).
-        A block that holds a guess not yet verified (chapter 12) is not named: its K/V may be
+        A block that holds a guess not yet verified (chapter 12), or a placeholder (chapter 16), is not named: its K/V may be
         rolled back, so it waits until the tokens in it are the sequence's own."""
         seq, hashes = self.owners[id(table)]
-        known = seq.num_tokens - seq.num_spec_tokens
+        known = seq.num_tokens - seq.num_spec_tokens - seq.num_output_placeholders  # chapter 16: nor a placeholder
         for i in range(len(hashes), min(num_tokens, known) // self.block_size):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))

@@ -80,18 +80,19 @@ def unpack(flat: torch.Tensor, num_tokens: int, num_seqs: int, width: int, num_s
 
 def build_step_arrays(
     seqs: Seq[Sequence], num_new_tokens: Seq[int], block_size: int, num_rows: int | None = None,
-    width: int | None = None, pad_block: int | None = None,
+    width: int | None = None, pad_block: int | None = None, block_tables: np.ndarray | None = None,
 ) -> StepArrays:
     """The inputs of a step where seqs[i] computes its next num_new_tokens[i] tokens.
 
     For a CUDA graph, `num_rows` pads the step with dummy one-token sequences up to a captured
     batch size, and `width` widens the block tables to the captured width. A padding row reads
     and writes only block `pad_block`, a block no request ever owns, so it disturbs nothing.
+    `block_tables` [num_rows, W]: the step's tables already laid out (chapter 16's persistent
+    batch gathers them from its rows), instead of copying each sequence's list here.
     """
     S = len(seqs)
     query_lens = np.fromiter(num_new_tokens, dtype=np.int64, count=S)
     past_lens = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=S)
-    tables = [s.block_table for s in seqs]
     rows = S if num_rows is None else num_rows
     if rows < S:
         raise ValueError(f"a step of {S} sequences does not fit {rows} rows")
@@ -100,11 +101,15 @@ def build_step_arrays(
             raise ValueError("padding rows need a pad_block to read and write")
         query_lens = np.concatenate([query_lens, np.ones(rows - S, np.int64)])
         past_lens = np.concatenate([past_lens, np.zeros(rows - S, np.int64)])
-        tables = tables + [[pad_block]] * (rows - S)
-    longest = max(map(len, tables), default=0)
-    W = longest if width is None else width
-    if W < longest:
-        raise ValueError(f"tables of {longest} blocks do not fit {W} columns")
+    if block_tables is None:
+        tables = [s.block_table for s in seqs] + [[pad_block]] * (rows - S)
+        longest = max(map(len, tables), default=0)
+        W = longest if width is None else width
+        if W < longest:
+            raise ValueError(f"tables of {longest} blocks do not fit {W} columns")
+        block_tables = np.full((rows, W), -1, dtype=np.int64)
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = table
 
     query_start = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start[1:])
@@ -116,9 +121,6 @@ def build_step_arrays(
     input_ids = np.zeros(T, dtype=np.int64)  # padding rows feed token 0
     input_ids[:int(query_start[S])] = np.fromiter(ids, dtype=np.int64, count=int(query_start[S]))
 
-    block_tables = np.full((rows, W), -1, dtype=np.int64)
-    for i, table in enumerate(tables):
-        block_tables[i, :len(table)] = table
     # Token at position p lives in block table[p // block_size], at offset p % block_size.
     slot_mapping = block_tables[seq_of, positions // block_size] * block_size + positions % block_size
 

@@ -141,6 +141,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> SamplerOutput:
         """logits [S, V]: row s is seqs[s]'s prediction of its next token."""
+        tokens, logprobs = self.sample(logits, seqs, eos_token_ids)
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]
+               ) -> tuple[torch.Tensor, list[TopLogprobs | None]]:
+        """As __call__, with the tokens [S] left on the device (chapter 16 feeds them to the next step there)."""
         constrain_logits(logits, seqs)  # chapter 13: forbidden tokens -> -inf, in place
         tokens = logits.argmax(dim=-1)  # right for every row that is greedy and nothing else
         rows = [s for s, seq in enumerate(seqs)
@@ -158,7 +164,7 @@ class Sampler:
                 tokens[indices(rows, tokens.device)] = chosen
             for s, top in zip(rows, picked_logprobs):
                 logprobs[s] = top
-        return SamplerOutput(tokens.tolist(), logprobs)
+        return tokens, logprobs
 
     def sample_rows(
         self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int],

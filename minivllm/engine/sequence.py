@@ -47,9 +47,13 @@ class Sequence:
     token_ids: list[int] = field(init=False)  # prompt + output, the whole sequence
     num_computed_tokens: int = 0
     # Chapter 12: guesses appended to token_ids for this step's verification, at its end. They
-    # live only inside one LLMEngine.step (proposed, scheduled, verified, rolled back) and are
+    # live only inside one EngineCore.step (proposed, scheduled, verified, rolled back) and are
     # never output, counted as output, or cached under a prefix hash.
     num_spec_tokens: int = 0
+    # Chapter 16 (async scheduling): tokens sampled by a step whose results the host has not read
+    # yet, appended as engine/async_scheduling.PLACEHOLDER at its end so that the scheduler plans
+    # the next step. Never output, never cached under a prefix hash.
+    num_output_placeholders: int = 0
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length", "stop" or "abort"
