@@ -37,7 +37,7 @@ class StepPlan:
     """One step as the model runs it, on the host: numbers only, nothing tied to a device or to
     the scheduler's requests (chapter 14 sends it from rank 0 to the other ranks)."""
 
-    arrays: StepArrays  # the step's inputs; for a replay, padded to graph_size rows
+    arrays: StepArrays  # the step's inputs; for a replay, padded to graph_size sequences of equal rows
     num_seqs: int  # the step's real sequences (rows 0 .. num_seqs-1)
     graph_size: int | None = None  # the batch-size bucket whose CUDA graph replays the step; None: eager
     prompt_rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # sequence -> its rows, for prompt logprobs
@@ -47,9 +47,11 @@ class ModelRunner:
     """Runs the model the way `config` (resolved: no None left) says: its attention backend,
     fused ops or not, CUDA graphs or not, on a KV pool of config.num_kv_blocks blocks. The graphs
     follow the model's device: CudaGraph on CUDA; on a CPU, where tests force cuda_graphs=True,
-    EagerGraph stands in (graph_class overrides that choice)."""
+    EagerGraph stands in (graph_class overrides that choice). graph_query_lens: the query lengths
+    captured (cuda_graphs.py); None: 1, and 1 + k for speculation's verify steps."""
 
-    def __init__(self, model: Decoder, config: EngineConfig, graph_class: type | None = None):
+    def __init__(self, model: Decoder, config: EngineConfig, graph_class: type | None = None,
+                 graph_query_lens: tuple[int, ...] | None = None):
         self.model = model
         # Checked before the pool is allocated: an attention backend that cannot run here fails at once.
         self.attention_class = paged_attention_class(config.attention, model.device, model.dtype)
@@ -65,9 +67,11 @@ class ModelRunner:
         self.pool = KVPool(model, config.num_kv_blocks + 1, config.block_size)
         self.graphs = None
         if config.cuda_graphs:
+            spec = config.speculative_config
+            query_lens = graph_query_lens or ((1,) if spec is None else (1, 1 + spec.num_speculative_tokens))
             with torch.inference_mode():
                 self.graphs = GraphRunner(self.forward, self.pool, self.attention_class, config.max_num_seqs,
-                                          config.max_model_len, graph_class)
+                                          config.max_model_len, graph_class, query_lens)
 
     @torch.inference_mode()
     def run(self, schedule: SchedulerOutput) -> tuple[list[int], torch.Tensor, dict[int, torch.Tensor]]:
@@ -79,12 +83,12 @@ class ModelRunner:
         seqs, num_new = schedule.seqs, schedule.num_new_tokens
         replay = self.graphs is not None and self.graphs.can_run(num_new)
         with record_function("prepare"):
-            if replay:  # padded to a captured batch size, in the graphs' static buffers
-                graph_size, arrays, flat = self.graphs.prepare(seqs)
+            if replay:  # padded to a captured batch size (and query length), in the graphs' static buffers
+                graph_size, arrays, flat = self.graphs.prepare_step(seqs, num_new)
             else:
                 graph_size, arrays = None, build_step_arrays(seqs, num_new, self.pool.block_size)
                 flat = to_device(arrays.pack(), self.model.device)
-            prompt_rows = {i: (int(arrays.query_start[i]), int(arrays.query_start[i + 1]))
+            prompt_rows = {i: (int(arrays.query_start[i]), int(arrays.query_start[i]) + num_new[i])
                            for i, seq in enumerate(seqs)
                            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens}
         return self.execute(StepPlan(arrays, len(seqs), graph_size, prompt_rows), flat)
@@ -109,11 +113,12 @@ class ModelRunner:
                 attention = self.attention_class(self.pool, step.batch)
         with record_function("forward"):
             if replay:
-                hidden = self.graphs.replay(plan.graph_size, plan.num_seqs)  # row i holds seqs[i]'s one token
+                query_len = arrays.num_tokens // plan.graph_size  # 1 for decode; 1 + k for a verify step
+                hidden = self.graphs.replay(plan.graph_size, plan.num_seqs, query_len)
             else:
                 hidden = self.forward(step.input_ids, step.positions, attention)
             # Logits only for the rows that predict a token (the lm_head is the largest matmul).
-            everyone = replay and len(arrays.sample_rows) == plan.num_seqs
+            everyone = replay and query_len == 1 and len(arrays.sample_rows) == plan.num_seqs  # row i: seqs[i]
             logits = self.model.lm_head(hidden if everyone else hidden[sample_rows])
             prompt_logits = {i: self.model.lm_head(hidden[start:end]) for i, (start, end) in plan.prompt_rows.items()}
         return arrays.samplers, logits, prompt_logits

@@ -59,7 +59,10 @@ class DraftModelProposer:
                              f"shorter than the engine's max_model_len ({engine.max_model_len})")
         extra = engine.max_num_seqs * (-(-self.k // engine.block_size) + 1)
         draft_engine = dataclasses.replace(engine, num_kv_blocks=engine.num_kv_blocks + extra)
-        self.runner = ModelRunner(self.model, draft_engine)
+        # Its steps replay graphs as the target's do (on a GPU): after its first step a draft
+        # sequence catches up on at most 2 tokens (the guess before the target's bonus token and
+        # that token; 1 after a rejection), then feeds its guesses back one at a time.
+        self.runner = ModelRunner(self.model, draft_engine, graph_query_lens=(1, 2))
         # The draft shares prefixes as the target does (n completions of a prompt, a system
         # prompt): without that it would need more blocks than the target for the same requests.
         manager = PrefixCachingBlockManager if engine.enable_prefix_caching else BlockManager
