@@ -166,6 +166,7 @@ class GraphRunner:
         # hold block ids of an earlier step: attention never reads them (PagedBatch's contract).
         self.tables = torch.full((rows, self.width), -1, dtype=torch.int64, device=device)
         self.tables[:, 0] = self.pad_block
+        self.loaded_query_len = 1  # the query length of the step in the static buffers (load)
         memory_pool = torch.cuda.graph_pool_handle() if graph_class is CudaGraph else None
         # The decode graphs keyed by their batch size, as in chapter 9; those of longer queries by
         # (batch size, query length).
@@ -243,14 +244,15 @@ class GraphRunner:
         rank replays the same graph). Returns the part of self.static that holds them."""
         packed = arrays.pack()
         flat = to_device(packed, self.static.device, out=self.static[:len(packed)])
+        self.loaded_query_len = arrays.num_tokens // len(arrays.context_lens)  # rows per sequence: 1, or 1 + k
         tables = arrays.unpack(flat)["block_tables"]  # [size, W]: W columns, not self.width
         self.tables[:len(tables), :tables.shape[1]].copy_(tables)
         return flat
 
-    def replay(self, size: int, num_seqs: int, query_len: int = 1) -> torch.Tensor:
-        """Replay the graph of batch size `size` and query length `query_len` on what prepare()
-        put in the static buffer; the hidden states of the first num_seqs sequences (the real
-        ones), query_len rows each: [num_seqs * query_len, hidden]."""
-        graph = self.graphs[self.key(size, query_len)]
+    def replay(self, size: int, num_seqs: int) -> torch.Tensor:
+        """Replay the graph of batch size `size` (and of the query length of the step load() put
+        in the static buffer) on that step; the hidden states of the first num_seqs sequences
+        (the real ones), query_len rows each: [num_seqs * query_len, hidden]."""
+        graph = self.graphs[self.key(size, self.loaded_query_len)]
         graph.replay()
-        return graph.output[:num_seqs * query_len]
+        return graph.output[:num_seqs * self.loaded_query_len]

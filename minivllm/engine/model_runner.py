@@ -113,12 +113,11 @@ class ModelRunner:
                 attention = self.attention_class(self.pool, step.batch)
         with record_function("forward"):
             if replay:
-                query_len = arrays.num_tokens // plan.graph_size  # 1 for decode; 1 + k for a verify step
-                hidden = self.graphs.replay(plan.graph_size, plan.num_seqs, query_len)
+                hidden = self.graphs.replay(plan.graph_size, plan.num_seqs)  # the real sequences' rows
             else:
                 hidden = self.forward(step.input_ids, step.positions, attention)
             # Logits only for the rows that predict a token (the lm_head is the largest matmul).
-            everyone = replay and query_len == 1 and len(arrays.sample_rows) == plan.num_seqs  # row i: seqs[i]
+            everyone = replay and len(arrays.sample_rows) == len(hidden)  # every row, in order
             logits = self.model.lm_head(hidden if everyone else hidden[sample_rows])
             prompt_logits = {i: self.model.lm_head(hidden[start:end]) for i, (start, end) in plan.prompt_rows.items()}
         return arrays.samplers, logits, prompt_logits
