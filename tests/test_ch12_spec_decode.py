@@ -247,6 +247,16 @@ def test_a_config_is_read_as_vllm_reads_it():
     assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (1, 3)
 
 
+def test_disable_by_batch_size_defaults_by_device():
+    """Left out (or "auto"): the device's default (16 on a CPU, never on CUDA); None: never."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    for config in (ngram, ngram | {"disable_by_batch_size": "auto"}):
+        auto = SpeculativeConfig.from_dict(config)
+        assert auto.pause_at(torch.device("cpu")) == 16 and auto.pause_at(torch.device("cuda")) is None
+    assert SpeculativeConfig.from_dict(ngram | {"disable_by_batch_size": None}).pause_at(torch.device("cpu")) is None
+    assert SpeculativeConfig.from_dict(ngram | {"disable_by_batch_size": 40}).pause_at(torch.device("cuda")) == 40
+
+
 def test_a_draft_with_another_vocabulary_is_refused(qwen3_model):
     config = dataclasses.replace(qwen3_model.config, vocab_size=qwen3_model.config.vocab_size + 1)
     other = minivllm.Decoder(config)
