@@ -146,13 +146,15 @@ def runbook(args) -> None:
                   f"({padding['short_guess_share']:.0%} from fewer than k guesses)")
     console.print(f"disable_by_batch_size by the rule (gain < 1.1×): {result['disable_by_batch_size']}")
     fig, ax = plots.plt.subplots(figsize=(7, 4))
-    plot_series(ax, sizes, {"decode step (graph)": [1e3 * r["decode_seconds"] for r in rows],
-                            f"verify step, {args.k + 1} tokens per sequence (graph)": [1e3 * r["verify_seconds"] for r in rows],
-                            "verify step, eager (before)": [1e3 * r["eager_verify_seconds"] for r in rows]},
-                "sequences in the step", "ms per step (median)", f"Verify steps replayed from graphs\n{where}", logy=True)
+    series = {"decode step (graph)": "decode_seconds",
+              f"verify step, {args.k + 1} tokens a sequence (graph)": "verify_seconds",
+              "verify step, eager (before)": "eager_verify_seconds"}
+    plot_series(ax, sizes, {label: [1e3 * r[key] for r in rows] for label, key in series.items()}, "sequences in the step",
+                "ms per step (median)", f"Verify steps replayed from graphs\n{where}", logy=True)
     ax.set_xscale("log", base=2)
     console.print(f"saved {plots.save(fig, f'12_verify_graphs_{device}')}")
-    console.print(f"saved {save_results(f'12_speculative_decoding_runbook_{device}', result | dict(created=time.strftime('%Y-%m-%d %H:%M:%S')))}")
+    result["created"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    console.print(f"saved {save_results(f'12_speculative_decoding_runbook_{device}', result)}")
 
 
 def main() -> None:
