@@ -198,6 +198,22 @@ def test_replayed_and_eager_verify_steps_agree_on_sampled_tokens(qwen3_model, hf
     assert tokens[0] == tokens[1]
 
 
+def test_replayed_verify_steps_with_triton_attention_give_transformers_tokens(triton_interpreter, qwen3_model, hf_models,
+                                                                           reference):
+    """Through chapter 8's kernels (Triton's interpreter on a CPU; on a GPU the `gpu` check below
+    captures them for real): prompt lookup (k = 3) with graphs on, so every verify step replays the
+    (bucket, 4) graph and runs the decode kernel with 4 query rows per sequence."""
+    prompts, lengths = [[5, 17, 9, 30, 12, 23, 3, 41, 7, 66, 2], [88, 4], [19, 60, 33, 8, 71]], [12, 10, 9]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    engine = graphed(LLMEngine(qwen3_model, attention="triton", max_num_seqs=3, speculative_config=spec, block_size=4,
+                               num_kv_blocks=32, max_num_batched_tokens=8))
+    replays = Replays(engine.runner)
+    outputs = run_checked(engine, prompts, lengths, GREEDY)
+    assert [outputs[str(i)].outputs[0].token_ids for i in range(3)] == [
+        reference(hf_models["qwen3"], p, n) for p, n in zip(prompts, lengths)]
+    assert replays.of_query_len(4) > 0, f"no verify step replayed: {replays.counts}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["ngram", "self"])

@@ -460,7 +460,8 @@ def exact_pair_distribution(hf_model, prompt: list[int], vocab: int, temperature
 
 def sampled_pairs(target, draft, prompt, n: int, temperature: float) -> torch.Tensor:
     """The empirical joint distribution of the second and third output tokens of n seeded requests."""
-    engine = LLMEngine(target, speculative_config={"model": draft, "num_speculative_tokens": 2}, max_num_seqs=256,
+    spec = {"model": draft, "num_speculative_tokens": 2, "disable_by_batch_size": None}  # speculate at any batch
+    engine = LLMEngine(target, speculative_config=spec, max_num_seqs=256,
                        num_kv_blocks=2048, enable_prefix_caching=False)
     for i in range(n):
         engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=temperature, seed=i, ignore_eos=True))

@@ -100,11 +100,14 @@ def run_generation(llm: LLM, prompts: list[list[int]], params: SamplingParams, r
 
 
 def method_config(method: str, k: int, draft: Any = None) -> dict[str, Any]:
-    """speculative_config for "ngram" (prompt lookup of up to 4 tokens) or "draft" (the draft model)."""
+    """speculative_config for "ngram" (prompt lookup of up to 4 tokens) or "draft" (the draft model),
+    speculating at every batch size (no disable_by_batch_size): the sweeps measure speculation
+    itself, which is what the pause's default is chosen from."""
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                "disable_by_batch_size": None}
     if method == "draft":
-        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "disable_by_batch_size": None}
     raise ValueError(f"method must be 'ngram' or 'draft', got {method!r}")
 
 
