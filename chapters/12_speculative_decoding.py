@@ -6,6 +6,11 @@
 
 On a GPU (the Qwen3-0.6B shape, random weights: only the verify-step cost means anything there):
     python chapters/12_speculative_decoding.py --device cuda --model minivllm/configs/qwen3-0.6b.json
+The GPU runbook's part (bench.speculation.gpu_runbook: verify / decode with both replayed from
+graphs and the eager verify beside them, on that shape; then the embedded model's n-gram speed-up
+at batch 1, fp32, tokens checked identical; JSON 12_speculative_decoding_runbook_cuda.json, figure
+12_verify_graphs_cuda.png). On a CPU the same command is a dry run (EagerGraph, small sizes):
+    python chapters/12_speculative_decoding.py --device cuda --model minivllm/configs/qwen3-0.6b.json --runbook
 
 - a sample: the embedded model continues repetitive code with prompt lookup, same text as without;
 - one verify step drawn token by token, with its ragged batch and its rollback (figures/12_verify_step.png);
@@ -27,8 +32,8 @@ from rich.table import Table
 
 from minivllm import DRAFT_MODEL, LLM, EngineConfig, load_model, load_tokenizer, plots
 from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
-from minivllm.bench.speculation import (acceptance_sweep, batch_sweep, code_prompts, greedy, method_config,
-                                        run_generation, verify_cost)
+from minivllm.bench.speculation import (acceptance_sweep, batch_sweep, code_prompts, gpu_runbook, greedy,
+                                        method_config, run_generation, verify_cost)
 from minivllm.engine.trace import Trace
 from minivllm.machine import device_name, environment
 from minivllm.plots.lines import plot_series
@@ -115,6 +120,43 @@ def verify_costs(model, k: int, batches: list[int]) -> tuple[list[dict], plots.F
     return rows, fig
 
 
+def runbook(args) -> None:
+    """The GPU runbook's part: bench.speculation.gpu_runbook, its tables, its figure and JSON."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device == "cuda"
+    sizes = [1, 4, 16, 64, 128, 256] if on_gpu else args.batches
+    with console.status("chapter 12 on the device: verify steps in graphs, then the embedded model at batch 1"):
+        result = gpu_runbook(device, args.model, args.k, sizes, 600 if on_gpu else 120, args.prompt_tokens,
+                             args.output_tokens, args.repeats, graphs=None if on_gpu else True)
+    shape, rows = result["verify_cost_model"], result["verify_cost"]
+    where = f"{device_name(torch.device(device))}, {shape['shape']} {shape['parameters'] / 1e6:.0f}M, {shape['dtype']}"
+    table = Table(title=f"A verify step of {args.k + 1} tokens per sequence against a decode step\n{where}")
+    for column in ("sequences", "decode ms", "verify ms", "verify / decode", "eager verify ms", "eager / decode"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(str(r["batch_size"]), f"{1e3 * r['decode_seconds']:.2f}", f"{1e3 * r['verify_seconds']:.2f}",
+                      f"{r['ratio']:.2f}×", f"{1e3 * r['eager_verify_seconds']:.2f}", f"{r['eager_ratio']:.2f}×")
+    console.print(table)
+    e2e, padding = result["end_to_end"], result["padding"]
+    console.print(f"embedded model, {e2e['workload']}, fp32: plain {e2e['plain']['tokens_per_second']:,.0f} tok/s, "
+                  f"n-gram (k = {args.k}) {e2e['ngram']['tokens_per_second']:,.0f} tok/s: {e2e['speedup']:.2f}×, "
+                  f"same tokens: {e2e['same_tokens']}, {e2e['tokens_per_verify']:.2f} tokens per verify step")
+    console.print(f"verify steps: {padding['verify_steps']}, decode steps {padding['decode_steps']}, eager "
+                  f"{padding['eager_steps']}; padding {padding['padding_share']:.0%} of the verify graphs' rows "
+                  f"({padding['short_guess_share']:.0%} from fewer than k guesses)")
+    console.print(f"disable_by_batch_size by the rule (gain < 1.1×): {result['disable_by_batch_size']}")
+    fig, ax = plots.plt.subplots(figsize=(7, 4))
+    series = {"decode step (graph)": "decode_seconds",
+              f"verify step, {args.k + 1} tokens a sequence (graph)": "verify_seconds",
+              "verify step, eager (before)": "eager_verify_seconds"}
+    plot_series(ax, sizes, {label: [1e3 * r[key] for r in rows] for label, key in series.items()}, "sequences in the step",
+                "ms per step (median)", f"Verify steps replayed from graphs\n{where}", logy=True)
+    ax.set_xscale("log", base=2)
+    console.print(f"saved {plots.save(fig, f'12_verify_graphs_{device}')}")
+    result["created"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    console.print(f"saved {save_results(f'12_speculative_decoding_runbook_{device}', result)}")
+
+
 def main() -> None:
     parser = chapter_parser(__doc__.splitlines()[1])
     parser.add_argument("--draft", default=None, help="the draft model (default: the embedded draft, for the embedded model)")
@@ -125,9 +167,12 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=200, help="tokens the benchmark's request generates")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="k in the acceptance sweep")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes swept")
+    parser.add_argument("--runbook", action="store_true", help="only the GPU runbook's part (see above)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.runbook:
+        return runbook(args)
     model = load_for_chapter(args)
     tokenizer = load_tokenizer(args.model)
     results = dict(environment=environment(model), created=time.strftime("%Y-%m-%d %H:%M:%S"), k=args.k)

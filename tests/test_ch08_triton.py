@@ -154,6 +154,28 @@ def test_prefill_step_matches_torch_and_float64(kernels, block_size, head_dim, h
     torch.testing.assert_close(got.double(), reference(q, triton_pool, batch), atol=1e-5, rtol=1e-5)
 
 
+# Chapter 12's verify step under a CUDA graph: Q = 1 + k query rows per sequence, contexts that
+# count all Q (the last real token, its guesses and padding rows), one launch grid for the batch.
+@pytest.mark.parametrize("block_size, head_dim, heads, kv_heads, Q, partition_size", [
+    (16, 64, 4, 2, 5, None),  # Qwen3-0.6B's ratio, k = 4: 5 x 2 rows in one 16-row tile; one pass
+    (13, 64, 8, 1, 3, 16),  # 8 heads per KV head x 3 tokens: a 32-row tile; split
+    (5, 80, 14, 2, 2, 8),  # padding everywhere: head_dim 80, 7 x 2 rows, tiny blocks, many partitions
+])
+def test_verify_rows_match_torch_and_float64(kernels, block_size, head_dim, heads, kv_heads, Q, partition_size):
+    # The first: every key in the step; 33: the last partition holds only key 32, past the newest
+    # key of all rows but the last (their whole tile hidden: the online softmax must stay finite).
+    contexts = [Q, Q + 1, 33, 70]
+    batch, num_blocks = make_batch([c - Q for c in contexts], [Q] * len(contexts), block_size, seed=block_size)
+    pool = make_pool(num_blocks, block_size, kv_heads, head_dim, seed=4)
+    q = torch.randn(Q * len(contexts), heads, head_dim, generator=torch.Generator().manual_seed(Q))
+    args = (q, pool.k[0], pool.v[0], batch.block_tables, batch.context_lens_tensor, 80)
+    got = kernels.paged_decode(*args, partition_size=partition_size, block_n=16, query_len=Q)
+    torch.testing.assert_close(got, paged_decode(*args, query_len=Q), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), reference(q, pool, batch), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="query_len"):
+        kernels.paged_decode(*args, query_len=len(q) + 1)
+
+
 def test_decode_partials_merge_to_full_attention(kernels):
     """Pass 1's partials, merged by the PyTorch exercise, give full attention: the kernel and
     merge_partials agree on what a partial is. One partition of the short sequence is empty."""
@@ -314,3 +336,4 @@ def test_triton_stage_matches_transformers(kernels, model, hf_model, reference):
 
     out = STAGES["triton"](model, PROMPTS, LENGTHS, **ENGINE)
     assert out == [reference(hf_model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
+

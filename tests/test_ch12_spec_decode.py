@@ -247,6 +247,16 @@ def test_a_config_is_read_as_vllm_reads_it():
     assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (1, 3)
 
 
+def test_disable_by_batch_size_defaults_by_device():
+    """Left out (or "auto"): the device's default (16 on a CPU, never on CUDA); None: never."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    for config in (ngram, ngram | {"disable_by_batch_size": "auto"}):
+        auto = SpeculativeConfig.from_dict(config)
+        assert auto.pause_at(torch.device("cpu")) == 16 and auto.pause_at(torch.device("cuda")) is None
+    assert SpeculativeConfig.from_dict(ngram | {"disable_by_batch_size": None}).pause_at(torch.device("cpu")) is None
+    assert SpeculativeConfig.from_dict(ngram | {"disable_by_batch_size": 40}).pause_at(torch.device("cuda")) == 40
+
+
 def test_a_draft_with_another_vocabulary_is_refused(qwen3_model):
     config = dataclasses.replace(qwen3_model.config, vocab_size=qwen3_model.config.vocab_size + 1)
     other = minivllm.Decoder(config)
@@ -450,7 +460,8 @@ def exact_pair_distribution(hf_model, prompt: list[int], vocab: int, temperature
 
 def sampled_pairs(target, draft, prompt, n: int, temperature: float) -> torch.Tensor:
     """The empirical joint distribution of the second and third output tokens of n seeded requests."""
-    engine = LLMEngine(target, speculative_config={"model": draft, "num_speculative_tokens": 2}, max_num_seqs=256,
+    spec = {"model": draft, "num_speculative_tokens": 2, "disable_by_batch_size": None}  # speculate at any batch
+    engine = LLMEngine(target, speculative_config=spec, max_num_seqs=256,
                        num_kv_blocks=2048, enable_prefix_caching=False)
     for i in range(n):
         engine.add_request(prompt=prompt, params=SamplingParams(max_tokens=4, temperature=temperature, seed=i, ignore_eos=True))

@@ -76,6 +76,11 @@ class PagedBatch:
     # max(context_lens) unless given: a CUDA graph (chapter 9) fixes it at the longest context
     # the engine allows, because a replayed graph cannot change its shapes.
     max_context_len: int | None = None
+    # Set by a CUDA graph (chapters 9 and 12): every sequence brings exactly this many rows, the
+    # real tokens first (a verify chunk padded to 1 + k), so row j of a sequence sees the keys up
+    # to context - query_len + j. A graph replays with other lengths than it was captured with, so
+    # attention must then size its work from this and read the lengths from the device tensors only.
+    query_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_context_len is None:
@@ -130,17 +135,22 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
 
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, max_context_len: int,
+    context_lens: torch.Tensor, max_context_len: int, query_len: int = 1,
 ) -> torch.Tensor:
     """One query token per sequence, all sequences at once: q [S, Hq, D] -> [S, Hq, D].
     max_context_len (= max(context_lens), known on the host) sizes the gather without
     reading the device tensor back, which on a GPU would stall every layer.
 
+    query_len Q > 1 (chapter 12's verify step): Q query rows per sequence, q [S * Q, Hq, D],
+    sequence s owning rows s * Q .. s * Q + Q - 1; row j sees keys 0 .. context_lens[s] - Q + j.
+
     Gathers every sequence's blocks into a padded [S, L, Hkv, D] tensor (L = longest context,
     rounded up to whole blocks) and masks the padding: simple and batched, but it copies the
     whole context out of the pool first. The Triton kernel of chapter 8 reads it in place.
     """
-    S, Hq, D = q.shape
+    T, Hq, D = q.shape
+    Q = query_len
+    S = T // Q
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-max_context_len // block_size)
     tables = block_tables[:, :num_blocks].clamp(min=0).long()  # padding -1 -> block 0, masked below
@@ -148,13 +158,17 @@ def paged_decode(
     # plain copy of whole rows, several times faster than general indexing on CPU.
     keys = k_cache.flatten(1).index_select(0, tables.flatten()).view(S, -1, Hkv, D).transpose(1, 2)  # [S, Hkv, L, D]
     values = v_cache.flatten(1).index_select(0, tables.flatten()).view(S, -1, Hkv, D).transpose(1, 2)
-    visible = torch.arange(keys.shape[2], device=q.device)[None, :] < context_lens[:, None]  # [S, L]
-    # softmax(q k^T / sqrt(D)) v, with the G query heads that share a KV head as G query rows
-    # of that head (grouped-query attention without copying K and V). PyTorch's fused kernel
-    # is the same math as attend() in dense.py, about twice as fast as two einsums on CPU.
-    qg = q.view(S, Hkv, Hq // Hkv, D)
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible[:, None, None, :])
-    return out.reshape(S, Hq, D)
+    last = context_lens[:, None] - Q + torch.arange(Q, device=q.device)[None, :]  # [S, Q]: each row's newest key
+    visible = torch.arange(keys.shape[2], device=q.device)[None, None, :] <= last[:, :, None]  # [S, Q, L]
+    # softmax(q k^T / sqrt(D)) v, with the Q x G query rows that share a KV head (G query heads
+    # per KV head, grouped-query attention) as Q x G rows of that head, without copying K and V.
+    # PyTorch's fused kernel is the same math as attend() in dense.py, about twice as fast as two
+    # einsums on CPU.
+    G = Hq // Hkv
+    qg = q.view(S, Q, Hkv, G, D).transpose(1, 2).reshape(S, Hkv, Q * G, D)
+    mask = visible[:, None, :, None, :].expand(S, 1, Q, G, visible.shape[-1]).reshape(S, 1, Q * G, -1)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+    return out.view(S, Hkv, Q, G, D).transpose(1, 2).reshape(T, Hq, D)
 
 
 class PagedAttention:
@@ -165,7 +179,7 @@ class PagedAttention:
 
     def __init__(self, pool: KVPool, batch: PagedBatch):
         self.pool, self.batch = pool, batch
-        if batch.is_decode:  # every row is a decode row, in order: the batch's tensors serve as they are
+        if batch.is_decode or batch.query_len:  # uniform rows, in order: the batch's tensors serve as they are
             return
         device = pool.k.device
         starts = batch.query_start  # the host copy: reading the device one back would wait for the GPU
@@ -181,9 +195,9 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, batch = self.pool.k[layer], self.pool.v[layer], self.batch
         store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        if batch.is_decode:
+        if batch.is_decode or batch.query_len:
             return paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens_tensor,
-                                batch.max_context_len)
+                                batch.max_context_len, batch.query_len or 1)
         out = torch.empty_like(q)
         if len(self.decode_rows):
             out[self.decode_rows] = paged_decode(q[self.decode_rows], k_cache, v_cache, self.decode_tables,

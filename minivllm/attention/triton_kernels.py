@@ -124,10 +124,12 @@ def _kv_tile(
 def _online_softmax_step(scores, v, m_i, l_i, acc):
     """Fold one tile into the running softmax of each row: scores [M, BLOCK_N] (fp32, -inf
     where hidden), v [BLOCK_N, BLOCK_D]; m_i, l_i [M] and acc [M, BLOCK_D] in fp32.
-    Every row must already have seen one visible key (m_i finite) or see one in this tile."""
+    A row that has seen no visible key yet, here included, keeps (-inf, 0, 0): a verify row
+    (chapter 12) may find every key of a tile past its own position."""
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max (0 at the start)
-    p = tl.exp(scores - m_new[:, None])  # this tile's unnormalised probabilities, <= 1
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # exp(-inf - -inf) would be NaN
+    alpha = tl.exp(m_i - m_safe)  # rescales what was summed under the old max (0 at the start)
+    p = tl.exp(scores - m_safe[:, None])  # this tile's unnormalised probabilities, <= 1
     l_i = l_i * alpha + tl.sum(p, 1)
     # p is cast to V's dtype (bf16 on a GPU) so the second matmul runs on tensor cores too.
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -259,26 +261,32 @@ def _paged_decode_kernel(
     stride_out_seq, stride_out_head, stride_part_seq, stride_part_head, stride_acc_seq, stride_acc_head,
     stride_acc_part,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr, QUERY_LEN: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Program (sequence, KV head, partition) reads one partition of the sequence's context,
-    # BLOCK_N tokens at a time, for the QUERIES_PER_KV query heads that share this KV head:
-    # each K/V byte is read from memory once and used by all of them (grouped-query attention
-    # without copying K/V).
+    # BLOCK_N tokens at a time, for the QUERIES_PER_KV query heads that share this KV head, of
+    # each of the sequence's QUERY_LEN query tokens (1 for decode; 1 + k for chapter 12's verify
+    # step): each K/V byte is read from memory once and used by all of them (grouped-query
+    # attention without copying K/V; a verify step reads no more K/V than a decode step).
     seq, kv_head, partition = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_partitions = tl.num_programs(2)
     context_len = tl.load(context_lens_ptr + seq)
 
-    # The group's queries as the rows of a [BLOCK_G, BLOCK_D] tile. BLOCK_G >= 16 because
-    # tensor-core matmuls need 16 rows; the padding rows (zeros) cost no memory traffic.
+    # The queries as the rows of a [BLOCK_G, BLOCK_D] tile, row r = (token r // QUERIES_PER_KV,
+    # head r % QUERIES_PER_KV of the group). BLOCK_G >= 16 because tensor-core matmuls need 16
+    # rows; the padding rows (zeros) cost no memory traffic.
     group = tl.arange(0, BLOCK_G)
-    heads = kv_head * QUERIES_PER_KV + group
-    head_ok = group < QUERIES_PER_KV
+    token = seq * QUERY_LEN + group // QUERIES_PER_KV  # the row's query token in the flat run
+    heads = kv_head * QUERIES_PER_KV + group % QUERIES_PER_KV
+    head_ok = group < QUERY_LEN * QUERIES_PER_KV
+    # Token j of the sequence's QUERY_LEN sees the keys up to context - QUERY_LEN + j (causal).
+    newest = context_len - QUERY_LEN + group // QUERIES_PER_KV
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     q_mask = head_ok[:, None] & dim_ok[None, :]
-    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_ptr + token[:, None] * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask,
+                other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m_i)
@@ -302,25 +310,26 @@ def _paged_decode_kernel(
                                             stride_block, stride_slot, stride_head, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        visible = exists[None, :] & (positions[None, :] <= newest[:, None])  # [BLOCK_G, BLOCK_N]
         positions += BLOCK_N
         block = _block_ids(table, positions, end, BLOCK_SIZE)  # the next tile's, read past nothing
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(exists[None, :], scores, float("-inf"))
+        scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc)
 
     if SINGLE_PASS:
         # One partition saw the whole context: finish the softmax here. (A context of 0
         # tokens, which no real sequence has, gives zeros rather than 0 / 0.)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+        tl.store(out_ptr + token[:, None] * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # Unnormalised partial results: the merge needs max and sum to weigh partitions. An
         # empty partition stores (-inf, 0, 0), which the merge weighs by exp(-inf) = 0.
-        part = seq * stride_part_seq + heads * stride_part_head + partition
+        part = token * stride_part_seq + heads * stride_part_head + partition
         tl.store(max_ptr + part, m_i, mask=head_ok)
         tl.store(sum_ptr + part, l_i, mask=head_ok)
-        acc_offsets = (seq * stride_acc_seq + heads[:, None] * stride_acc_head + partition * stride_acc_part
+        acc_offsets = (token[:, None] * stride_acc_seq + heads[:, None] * stride_acc_head + partition * stride_acc_part
                        + dims[None, :])
         tl.store(acc_ptr + acc_offsets, acc, mask=q_mask)
 
@@ -355,26 +364,29 @@ def _merge_partials_kernel(
 
 def _decode_config(q: torch.Tensor, k_cache: torch.Tensor, max_context_len: int, partition_size: int | None,
                    block_n: int | None, num_warps: int | None,
-                   num_stages: int | None) -> tuple[int, int, int, int]:
+                   num_stages: int | None, query_len: int = 1) -> tuple[int, int, int, int]:
     """(P, BLOCK_N, num_warps, num_stages) for a decode launch: the given ones, or the defaults."""
     if max_context_len < 1 or (partition_size is not None and partition_size < 1):
         raise ValueError(f"max_context_len and partition_size must be positive numbers of tokens, "
                          f"got {max_context_len} and {partition_size}")
+    if isinstance(query_len, bool) or not isinstance(query_len, int) or query_len < 1 or q.shape[0] % query_len:
+        raise ValueError(f"query_len must be an integer >= 1 that divides the {q.shape[0]} query rows, got {query_len!r}")
     default_block_n, default_warps, default_stages = decode_tiles(q.shape[2], k_cache.element_size())
     block_n, num_warps, num_stages = block_n or default_block_n, num_warps or default_warps, num_stages or default_stages
-    P = decode_plan(q.shape[0], k_cache.shape[2], max_context_len, block_n, sm_count(q.device), partition_size)
+    P = decode_plan(q.shape[0] // query_len, k_cache.shape[2], max_context_len, block_n, sm_count(q.device),
+                    partition_size)
     return P, block_n, num_warps, num_stages
 
 
 def _launch_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, num_partitions: int, block_n: int, num_warps: int, num_stages: int,
-    single_pass: bool,
+    single_pass: bool, query_len: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pass 1 over a (S, Hkv, P) grid: the output [S, Hq, D] if single_pass (P = 1), else the
-    partials (maxes, sums, accs)."""
+    """Pass 1 over a (sequences, Hkv, P) grid: the output [T, Hq, D] if single_pass (P = 1),
+    else the partials (maxes, sums, accs), for T = sequences x query_len query rows."""
     _check_layout(q, k_cache, v_cache)
-    S, Hq, D = q.shape
+    S, Hq, D = q.shape  # S: query rows here, query_len of them per sequence
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     P = num_partitions
     if single_pass:
@@ -387,12 +399,13 @@ def _launch_decode(
         accs = torch.empty(S, Hq, P, D, dtype=torch.float32, device=q.device)
         out = maxes  # not written by the split pass
         strides = (0, 0, maxes.stride(0), maxes.stride(1), accs.stride(0), accs.stride(1), accs.stride(2))
-    _paged_decode_kernel[(S, Hkv, P)](
+    _paged_decode_kernel[(S // query_len, Hkv, P)](
         q, k_cache, v_cache, block_tables, context_lens, out, maxes, sums, accs, D**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *strides,
         BLOCK_SIZE=block_size, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        QUERIES_PER_KV=Hq // Hkv, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=block_n,
+        QUERIES_PER_KV=Hq // Hkv, QUERY_LEN=query_len, BLOCK_G=max(16, triton.next_power_of_2(query_len * Hq // Hkv)),
+        BLOCK_N=block_n,
         SINGLE_PASS=single_pass, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out if single_pass else (maxes, sums, accs)
@@ -401,7 +414,7 @@ def _launch_decode(
 def paged_decode_partials(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, max_context_len: int, partition_size: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, query_len: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 1 of decode: q [S, Hq, D] against each sequence's paged context, split into P
     partitions (decode_plan) read by one program each. Returns the partials (fp32): maxes
@@ -410,11 +423,11 @@ def paged_decode_partials(
     max_context_len is a Python int (the scheduler knows it; a CUDA graph fixes it at the
     longest context the engine allows) so that sizing the grid never waits for the GPU;
     every context_lens[s] must be <= max_context_len. block_n, num_warps and num_stages
-    default to decode_tiles."""
+    default to decode_tiles. query_len Q > 1: Q query rows per sequence (see paged_decode)."""
     P, block_n, num_warps, num_stages = _decode_config(q, k_cache, max_context_len, partition_size, block_n,
-                                                       num_warps, num_stages)
+                                                       num_warps, num_stages, query_len)
     return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, P, block_n, num_warps, num_stages,
-                          single_pass=False)
+                          single_pass=False, query_len=query_len)
 
 
 def merge_partials_triton(maxes: torch.Tensor, sums: torch.Tensor, accs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -436,22 +449,27 @@ def merge_partials_triton(maxes: torch.Tensor, sums: torch.Tensor, accs: torch.T
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, max_context_len: int, partition_size: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, query_len: int = 1,
 ) -> torch.Tensor:
     """Triton version of paged.paged_decode: q [S, Hq, D] -> [S, Hq, D], reading K/V in place.
     One launch when decode_plan gives one partition (the kernel writes the output itself),
     else pass 1 into fp32 partials and pass 2 to merge them. Arguments as paged_decode_partials.
 
+    query_len Q > 1 (chapter 12's verify step): q [S * Q, Hq, D], Q query rows per sequence,
+    row j of sequence s seeing keys 0 .. context_lens[s] - Q + j. The grid is (S, Hkv, P) as
+    for decode, each program holding all Q x Hq / Hkv rows of its KV head, so it depends on the
+    batch and max_context_len alone, never on the step's lengths: a CUDA graph can capture it.
+
     Memory traffic: every cached K/V byte of every sequence is read exactly once (shared by
     the Hq / Hkv query heads of its KV head), plus q, the output and, when split, the partials
     (P x (D + 2) floats per query head, P <= MAX_PARTITIONS unless partition_size asks for more)."""
     P, block_n, num_warps, num_stages = _decode_config(q, k_cache, max_context_len, partition_size, block_n,
-                                                       num_warps, num_stages)
+                                                       num_warps, num_stages, query_len)
     if P == 1:
         return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, 1, block_n, num_warps, num_stages,
-                              single_pass=True)
+                              single_pass=True, query_len=query_len)
     partials = _launch_decode(q, k_cache, v_cache, block_tables, context_lens, P, block_n, num_warps, num_stages,
-                              single_pass=False)
+                              single_pass=False, query_len=query_len)
     return merge_partials_triton(*partials, dtype=q.dtype)
 
 

@@ -7,7 +7,9 @@ loop over sequences.
 
 Which kernel runs:
 - a pure decode step (every sequence brings one token; the steady state of serving) uses the
-  split-K decode kernel, which spreads each long context over many programs;
+  split-K decode kernel, which spreads each long context over many programs; so does a step a
+  CUDA graph replays with 1 + k rows per sequence (chapter 12's verify step, batch.query_len):
+  the same kernel with 1 + k query rows per sequence, its grid fixed by the batch alone;
 - any other step (prefill chunks, possibly mixed with decodes) uses the ragged prefill
   kernel for all of its rows in one launch: a decode token is a chunk of length one. Mixed
   steps are dominated by their prefill chunks' work, so a second launch for the decode rows
@@ -47,8 +49,8 @@ class TritonPagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache, batch = self.pool.k[layer], self.pool.v[layer], self.batch
         self.kernels.store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        if batch.is_decode:
+        if batch.is_decode or batch.query_len:
             return self.kernels.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens_tensor,
-                                             self.max_context_len)
+                                             self.max_context_len, query_len=batch.query_len or 1)
         return self.kernels.paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.query_start_tensor,
                                           batch.context_lens_tensor, self.max_query_len)

@@ -26,6 +26,20 @@ Only decode-like steps (one new token per sequence) are captured: they are almos
 of serving, and the only ones whose shape is just "how many sequences". Prefill and mixed
 steps have any number of tokens; they run eagerly, as in chapter 7.
 
+Chapter 12 adds a second shape. With speculation a step is mostly *verify* chunks: each
+sequence brings its last token and up to k guesses, and run eagerly such a step pays every
+launch again (measured on an H200: a verify step with k = 4 cost 5.97x a replayed decode step
+at batch 1). So graphs are keyed by (batch-size bucket, query length q), q in {1, 1 + k}: a
+step whose chunks are all at most 1 + k tokens replays the (bucket, 1 + k) graph with every
+sequence padded to 1 + k rows, its real tokens first. A padding token writes only the spare
+block's first slot and is never sampled, and its context counts all 1 + k rows, so row j of a
+sequence sees the keys up to context - (1 + k) + j: its real rows see exactly their own past
+(build_step_arrays(..., query_len=q)). Padding rather than falling back to eager for a step
+where some sequences guessed fewer than k (an n-gram lookup that found nothing) is the right
+trade while the step is bound by launches and memory: up to 1 + k rows of a small batch cost
+about what one row costs, and an eager step costs several replays (chapter 12 measures how
+much is padding). Attention sizes its work from q and the batch only (PagedBatch.query_len).
+
 On a CPU there are no CUDA graphs: `EagerGraph` stands in for one, with the same buckets,
 static buffers and padding, but its replay simply calls the forward again. Tests use it to
 prove that bucketing and padding leave transformers' tokens exactly as they were. Which one
@@ -34,6 +48,7 @@ record no work at all, and its replays would leave the outputs of the capture in
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence as Seq
 from typing import Any
 
@@ -113,59 +128,93 @@ def graph_class_for(device: torch.device) -> type:
 
 
 class GraphRunner:
-    """Runs decode steps by replaying the graph of their batch-size bucket.
+    """Runs decode steps by replaying the graph of their batch-size bucket (and, with
+    speculation, verify steps by replaying the graph of their bucket and query length).
 
     forward(input_ids, positions, attention) -> hidden [T, hidden] is the model's forward (plain
     or fused); the pool's last block is the spare that padding rows use. graph_class: None for
-    the one the pool's device runs (graph_class_for); CudaGraph refuses a pool off CUDA."""
+    the one the pool's device runs (graph_class_for); CudaGraph refuses a pool off CUDA.
+    query_lens: the query lengths captured for every bucket, ascending, starting at 1."""
 
     def __init__(
         self, forward: Callable[..., torch.Tensor], pool: KVPool, attention_class: type, max_num_seqs: int,
-        max_model_len: int, graph_class: type | None = None,
+        max_model_len: int, graph_class: type | None = None, query_lens: Seq[int] = (1,),
     ):
         graph_class = graph_class or graph_class_for(pool.k.device)
         if graph_class is CudaGraph and pool.k.device.type != "cuda":
             raise ValueError(f"CudaGraph captures CUDA work, and this KV pool is on {pool.k.device}: a capture would "
                              f"record nothing and every replay would return the capture's output. Use EagerGraph there "
                              f"(graph_class=None chooses by device).")
+        if list(query_lens) != sorted(set(query_lens)) or query_lens[0] != 1:
+            raise ValueError(f"query_lens must be ascending, distinct and start at 1, got {query_lens!r}")
         self.pool, self.block_size = pool, pool.block_size
         self.pad_block = pool.num_blocks - 1
-        self.sizes = graph_batch_sizes(max_num_seqs)
-        self.width = -(-max_model_len // self.block_size)  # block-table width of the longest context
+        self.sizes, self.query_lens = graph_batch_sizes(max_num_seqs), list(query_lens)
+        q = self.query_lens[-1]
+        # Block-table width of the longest context, plus the padding rows a verify chunk may add after it.
+        self.width = -(-(max_model_len + q - 1) // self.block_size)
         self.max_context_len = self.width * self.block_size
         device, rows = pool.k.device, self.sizes[-1]
-        largest = build_step_arrays([], [], self.block_size, rows, pad_block=self.pad_block)
+        largest = build_step_arrays([], [], self.block_size, rows, pad_block=self.pad_block, query_len=q)
         # Room for the largest step's packed copy: its fields, tables as wide as they can be, and
-        # its sampling rows (one per sequence at most). The graphs read the fields before the
-        # tables, which sit at the same offsets in every step of a bucket.
-        self.static = torch.zeros(len(largest.pack(tables=False)) + rows * self.width + rows, dtype=torch.int64,
+        # its sampling rows (q per sequence at most). The graphs read the fields before the
+        # tables, which sit at the same offsets in every step of a (bucket, query length).
+        self.static = torch.zeros(len(largest.pack(tables=False)) + rows * self.width + rows * q, dtype=torch.int64,
                                   device=device)
         # The block tables the graphs read, [rows, width]: column 0 holds the spare block until a
         # step writes a row, so a padding row reads only the spare. Columns past a row's context may
         # hold block ids of an earlier step: attention never reads them (PagedBatch's contract).
         self.tables = torch.full((rows, self.width), -1, dtype=torch.int64, device=device)
         self.tables[:, 0] = self.pad_block
+        self.loaded_query_len = 1  # the query length of the step in the static buffers (load)
         memory_pool = torch.cuda.graph_pool_handle() if graph_class is CudaGraph else None
-        self.graphs: dict[int, Any] = {}
-        with Progress(transient=True) as progress:
-            task = progress.add_task(f"capturing {len(self.sizes)} decode graphs", total=len(self.sizes))
-            for size in reversed(self.sizes):  # largest first: the others fit in its memory
-                self.graphs[size] = self._capture(size, forward, attention_class, graph_class, memory_pool)
+        # The decode graphs keyed by their batch size, as in chapter 9; those of longer queries by
+        # (batch size, query length).
+        self.graphs: dict[int | tuple[int, int], Any] = {}
+        keys = [(size, q) for q in reversed(self.query_lens) for size in reversed(self.sizes)]  # largest first:
+        with Progress(transient=True) as progress:  # the others fit in its memory
+            task = progress.add_task(f"capturing {len(keys)} graphs", total=len(keys))
+            for size, q in keys:
+                self.graphs[self.key(size, q)] = self._capture(size, q, forward, attention_class, graph_class,
+                                                               memory_pool)
                 progress.advance(task)
 
-    def _capture(self, size: int, forward: Callable[..., torch.Tensor], attention_class: type, graph_class: type,
-                 memory_pool: Any) -> Any:
-        """Fill the static buffer with `size` padding rows, bind the forward to its views, capture."""
-        arrays = build_step_arrays([], [], self.block_size, size, pad_block=self.pad_block)
+    @staticmethod
+    def key(size: int, query_len: int) -> int | tuple[int, int]:
+        """Where the graph of this batch size and query length is kept in self.graphs."""
+        return size if query_len == 1 else (size, query_len)
+
+    def _capture(self, size: int, query_len: int, forward: Callable[..., torch.Tensor], attention_class: type,
+                 graph_class: type, memory_pool: Any) -> Any:
+        """Fill the static buffer with `size` padding rows of `query_len` tokens, bind the forward
+        to its views, capture."""
+        arrays = build_step_arrays([], [], self.block_size, size, pad_block=self.pad_block, query_len=query_len)
         packed = arrays.pack(tables=False)
         to_device(packed, self.static.device, out=self.static[:len(packed)])
         step = device_step(arrays, self.static, self.max_context_len, block_tables=self.tables[:size])
-        attention = attention_class(self.pool, step.batch)
+        attention = attention_class(self.pool, dataclasses.replace(step.batch, query_len=query_len))
         return graph_class(lambda: forward(step.input_ids, step.positions, attention), memory_pool)
 
     def can_run(self, num_new_tokens: Seq[int]) -> bool:
-        """Whether a step fits a captured graph: one token per sequence, not too many sequences."""
-        return len(num_new_tokens) <= self.sizes[-1] and all(n == 1 for n in num_new_tokens)
+        """Whether a step fits a captured graph: not too many sequences, and no chunk longer than
+        the longest query captured (one token each without speculation; 1 + k with it)."""
+        return 0 < len(num_new_tokens) <= self.sizes[-1] and max(num_new_tokens) <= self.query_lens[-1]
+
+    def query_len_for(self, num_new_tokens: Seq[int]) -> int:
+        """The smallest captured query length that holds the step's longest chunk."""
+        longest = max(num_new_tokens)
+        return next(q for q in self.query_lens if q >= longest)
+
+    def prepare_step(self, seqs: Seq[Sequence], num_new_tokens: Seq[int]) -> tuple[int, StepArrays, torch.Tensor]:
+        """prepare() for any step that can_run: a decode step as prepare() does it; one with longer
+        chunks (chapter 12's verify step) padded to its bucket and to query_len_for rows per
+        sequence. Returns what prepare() returns; the query length is arrays.num_tokens // size."""
+        if all(n == 1 for n in num_new_tokens):
+            return self.prepare(seqs)
+        size, q = bucket_for(len(seqs), self.sizes), self.query_len_for(num_new_tokens)
+        arrays = build_step_arrays(seqs, num_new_tokens, self.block_size, num_rows=size, pad_block=self.pad_block,
+                                   query_len=q)
+        return size, arrays, self.load(arrays)
 
     def prepare(self, seqs: Seq[Sequence]) -> tuple[int, StepArrays, torch.Tensor]:
         """Put a decode step of `seqs` (one new token each) into the static buffers, padded to
@@ -195,13 +244,15 @@ class GraphRunner:
         rank replays the same graph). Returns the part of self.static that holds them."""
         packed = arrays.pack()
         flat = to_device(packed, self.static.device, out=self.static[:len(packed)])
+        self.loaded_query_len = arrays.num_tokens // len(arrays.context_lens)  # rows per sequence: 1, or 1 + k
         tables = arrays.unpack(flat)["block_tables"]  # [size, W]: W columns, not self.width
         self.tables[:len(tables), :tables.shape[1]].copy_(tables)
         return flat
 
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:
-        """Replay the graph of batch size `size` on what prepare() put in the static buffer;
-        the hidden states of the first num_seqs rows (the real ones) [num_seqs, hidden]."""
-        graph = self.graphs[size]
+        """Replay the graph of batch size `size` (and of the query length of the step load() put
+        in the static buffer) on that step; the hidden states of the first num_seqs sequences
+        (the real ones), query_len rows each: [num_seqs * query_len, hidden]."""
+        graph = self.graphs[self.key(size, self.loaded_query_len)]
         graph.replay()
-        return graph.output[:num_seqs]
+        return graph.output[:num_seqs * self.loaded_query_len]

@@ -130,9 +130,10 @@ class InputBatch:
 
     def step_arrays(
         self, seqs: Seq[Sequence], num_new_tokens: Seq[int], num_rows: int | None = None, pad_block: int | None = None,
+        query_len: int | None = None,
     ) -> StepArrays:
-        """What build_step_arrays(seqs, num_new_tokens, block_size, num_rows, pad_block=pad_block)
-        returns, with the block tables gathered from the persistent rows."""
+        """What build_step_arrays(seqs, num_new_tokens, block_size, num_rows, pad_block=pad_block,
+        query_len=query_len) returns, with the block tables gathered from the persistent rows."""
         S = len(seqs)
         rows = self.update(seqs)
         num_rows = S if num_rows is None else num_rows
@@ -144,7 +145,7 @@ class InputBatch:
         if num_rows > S and pad_block is not None:
             tables[S:, 0] = pad_block
         return build_step_arrays(seqs, num_new_tokens, self.block_size, num_rows, pad_block=pad_block,
-                                 block_tables=tables)
+                                 query_len=query_len, block_tables=tables)
 
     def to_device(self, packed: np.ndarray) -> torch.Tensor:
         """prepare.to_device, from a preallocated pinned buffer on CUDA (two, used in turn, each

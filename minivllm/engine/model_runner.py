@@ -43,7 +43,7 @@ class StepPlan:
     """One step as the model runs it, on the host: numbers only, nothing tied to a device or to
     the scheduler's requests (chapter 14 sends it from rank 0 to the other ranks)."""
 
-    arrays: StepArrays  # the step's inputs; for a replay, padded to graph_size rows
+    arrays: StepArrays  # the step's inputs; for a replay, padded to graph_size sequences of equal rows
     num_seqs: int  # the step's real sequences (rows 0 .. num_seqs-1)
     graph_size: int | None = None  # the batch-size bucket whose CUDA graph replays the step; None: eager
     prompt_rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # sequence -> its rows, for prompt logprobs
@@ -53,9 +53,11 @@ class ModelRunner:
     """Runs the model the way `config` (resolved: no None left) says: its attention backend,
     fused ops or not, CUDA graphs or not, on a KV pool of config.num_kv_blocks blocks. The graphs
     follow the model's device: CudaGraph on CUDA; on a CPU, where tests force cuda_graphs=True,
-    EagerGraph stands in (graph_class overrides that choice)."""
+    EagerGraph stands in (graph_class overrides that choice). graph_query_lens: the query lengths
+    captured (cuda_graphs.py); None: 1, and 1 + k for speculation's verify steps."""
 
-    def __init__(self, model: Decoder, config: EngineConfig, graph_class: type | None = None):
+    def __init__(self, model: Decoder, config: EngineConfig, graph_class: type | None = None,
+                 graph_query_lens: tuple[int, ...] | None = None):
         self.model = model
         # Checked before the pool is allocated: an attention backend that cannot run here fails at once.
         self.attention_class = paged_attention_class(config.attention, model.device, model.dtype)
@@ -77,9 +79,11 @@ class ModelRunner:
                                     config.block_size, model.device, rollback=config.speculative_config is not None)
         self.graphs = None
         if config.cuda_graphs:
+            spec = config.speculative_config
+            query_lens = graph_query_lens or ((1,) if spec is None else (1, 1 + spec.num_speculative_tokens))
             with torch.inference_mode():
                 self.graphs = GraphRunner(self.forward, self.pool, self.attention_class, config.max_num_seqs,
-                                          config.max_model_len, graph_class)
+                                          config.max_model_len, graph_class, query_lens)
 
     @torch.inference_mode()
     def run(self, schedule: SchedulerOutput, previous: SampledTokens | None = None
@@ -93,11 +97,12 @@ class ModelRunner:
         seqs, num_new = schedule.seqs, schedule.num_new_tokens
         replay = self.graphs is not None and self.graphs.can_run(num_new)
         with record_function("prepare"):
-            if replay and self.batch is None:  # padded to a captured batch size, in the graphs' static buffers
-                graph_size, arrays, flat = self.graphs.prepare(seqs)
+            if replay and self.batch is None:  # padded to a captured batch size (and query length), in the graphs' static buffers
+                graph_size, arrays, flat = self.graphs.prepare_step(seqs, num_new)
             elif replay:  # the same, from the persistent batch's rows
-                graph_size = bucket_for(len(seqs), self.graphs.sizes)
-                arrays = self.batch.step_arrays(seqs, num_new, graph_size, self.graphs.pad_block)
+                graph_size, query_len = bucket_for(len(seqs), self.graphs.sizes), self.graphs.query_len_for(num_new)
+                arrays = self.batch.step_arrays(seqs, num_new, graph_size, self.graphs.pad_block,
+                                                None if query_len == 1 else query_len)
                 flat = self.graphs.load(arrays)
             elif self.batch is None:
                 graph_size, arrays = None, build_step_arrays(seqs, num_new, self.pool.block_size)
@@ -107,7 +112,7 @@ class ModelRunner:
                 flat = self.batch.to_device(arrays.pack())
             if previous is not None:
                 previous.feed(seqs, arrays, flat)
-            prompt_rows = {i: (int(arrays.query_start[i]), int(arrays.query_start[i + 1]))
+            prompt_rows = {i: (int(arrays.query_start[i]), int(arrays.query_start[i]) + num_new[i])
                            for i, seq in enumerate(seqs)
                            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens}
         return self.execute(StepPlan(arrays, len(seqs), graph_size, prompt_rows), flat)
@@ -132,11 +137,11 @@ class ModelRunner:
                 attention = self.attention_class(self.pool, step.batch)
         with record_function("forward"):
             if replay:
-                hidden = self.graphs.replay(plan.graph_size, plan.num_seqs)  # row i holds seqs[i]'s one token
+                hidden = self.graphs.replay(plan.graph_size, plan.num_seqs)  # the real sequences' rows
             else:
                 hidden = self.forward(step.input_ids, step.positions, attention)
             # Logits only for the rows that predict a token (the lm_head is the largest matmul).
-            everyone = replay and len(arrays.sample_rows) == plan.num_seqs
+            everyone = replay and len(arrays.sample_rows) == len(hidden)  # every row, in order
             logits = self.model.lm_head(hidden if everyone else hidden[sample_rows])
             prompt_logits = {i: self.model.lm_head(hidden[start:end]) for i, (start, end) in plan.prompt_rows.items()}
         return arrays.samplers, logits, prompt_logits

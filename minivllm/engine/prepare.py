@@ -80,15 +80,24 @@ def unpack(flat: torch.Tensor, num_tokens: int, num_seqs: int, width: int, num_s
 
 def build_step_arrays(
     seqs: Seq[Sequence], num_new_tokens: Seq[int], block_size: int, num_rows: int | None = None,
-    width: int | None = None, pad_block: int | None = None, block_tables: np.ndarray | None = None,
+    width: int | None = None, pad_block: int | None = None, query_len: int | None = None,
+    block_tables: np.ndarray | None = None,
 ) -> StepArrays:
     """The inputs of a step where seqs[i] computes its next num_new_tokens[i] tokens.
 
     For a CUDA graph, `num_rows` pads the step with dummy one-token sequences up to a captured
     batch size, and `width` widens the block tables to the captured width. A padding row reads
     and writes only block `pad_block`, a block no request ever owns, so it disturbs nothing.
-    `block_tables` [num_rows, W]: the step's tables already laid out (chapter 16's persistent
-    batch gathers them from its rows), instead of copying each sequence's list here.
+
+    `query_len` (chapter 12's verify graphs) gives every sequence exactly that many rows: its
+    real tokens first, then padding tokens (id 0, at its last real position) that write only
+    the first slot of `pad_block` and are never sampled. Its context then counts all query_len
+    rows, so row j of every sequence sees the keys up to context - query_len + j: the real rows
+    see exactly their own past, and table columns past a sequence's own blocks read `pad_block`.
+
+    `block_tables` [num_rows, W]: the step's tables already laid out, each row's blocks first and
+    -1 after them (chapter 16's persistent batch gathers them from its rows), instead of copying
+    each sequence's list here.
     """
     S = len(seqs)
     query_lens = np.fromiter(num_new_tokens, dtype=np.int64, count=S)
@@ -96,41 +105,58 @@ def build_step_arrays(
     rows = S if num_rows is None else num_rows
     if rows < S:
         raise ValueError(f"a step of {S} sequences does not fit {rows} rows")
+    if (rows > S or query_len is not None) and pad_block is None:
+        raise ValueError("padding rows need a pad_block to read and write")
+    if query_len is not None and (query_lens > query_len).any():
+        raise ValueError(f"a step with chunks of {query_lens.max()} tokens does not fit {query_len} rows each")
     if rows > S:
-        if pad_block is None:
-            raise ValueError("padding rows need a pad_block to read and write")
         query_lens = np.concatenate([query_lens, np.ones(rows - S, np.int64)])
         past_lens = np.concatenate([past_lens, np.zeros(rows - S, np.int64)])
+    row_lens = query_lens if query_len is None else np.full(rows, query_len, np.int64)  # real + padding tokens
+    needed = -(-(past_lens + row_lens) // block_size)  # columns attention reads
     if block_tables is None:
         tables = [s.block_table for s in seqs] + [[pad_block]] * (rows - S)
-        longest = max(map(len, tables), default=0)
-        W = longest if width is None else width
-        if W < longest:
-            raise ValueError(f"tables of {longest} blocks do not fit {W} columns")
+        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=rows)
+    else:
+        table_lens = (block_tables >= 0).sum(axis=1)
+    longest = int(table_lens.max(initial=0) if query_len is None else max(table_lens.max(), needed.max()))
+    W = max(longest, 0 if block_tables is None else block_tables.shape[1]) if width is None else width
+    if W < longest:
+        raise ValueError(f"tables of {longest} blocks do not fit {W} columns")
+    if block_tables is None:
         block_tables = np.full((rows, W), -1, dtype=np.int64)
         for i, table in enumerate(tables):
             block_tables[i, :len(table)] = table
+    elif block_tables.shape[1] < W:
+        block_tables = np.pad(block_tables, ((0, 0), (0, W - block_tables.shape[1])), constant_values=-1)
+    if query_len is not None:
+        columns = np.arange(W)[None, :]
+        block_tables[(columns >= table_lens[:, None]) & (columns < needed[:, None])] = pad_block
 
     query_start = np.zeros(rows + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start[1:])
+    np.cumsum(row_lens, out=query_start[1:])
     T = int(query_start[-1])
-    # Token t belongs to sequence seq_of[t] and sits at position past + (t - its first row).
-    seq_of = np.repeat(np.arange(rows), query_lens)
-    positions = np.arange(T, dtype=np.int64) - np.repeat(query_start[:-1] - past_lens, query_lens)
+    # Token t is row j of sequence seq_of[t]; a real one sits at position past + j.
+    seq_of = np.repeat(np.arange(rows), row_lens)
+    j = np.arange(T, dtype=np.int64) - query_start[:-1][seq_of]
+    real = j < query_lens[seq_of]
+    positions = past_lens[seq_of] + np.minimum(j, query_lens[seq_of] - 1)
     ids = itertools.chain.from_iterable(s.token_ids[p:p + n] for s, p, n in zip(seqs, past_lens.tolist(), num_new_tokens))
-    input_ids = np.zeros(T, dtype=np.int64)  # padding rows feed token 0
-    input_ids[:int(query_start[S])] = np.fromiter(ids, dtype=np.int64, count=int(query_start[S]))
+    input_ids = np.zeros(T, dtype=np.int64)  # padding feeds token 0
+    input_ids[np.flatnonzero(real & (seq_of < S))] = np.fromiter(ids, dtype=np.int64, count=int(query_lens[:S].sum()))
 
     # Token at position p lives in block table[p // block_size], at offset p % block_size.
     slot_mapping = block_tables[seq_of, positions // block_size] * block_size + positions % block_size
+    if query_len is not None:
+        slot_mapping[~real] = pad_block * block_size
 
-    context_lens = past_lens + query_lens
+    context_lens = past_lens + row_lens
     num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=S)
-    samplers = np.flatnonzero(context_lens[:S] == num_tokens)  # caught up: the last row predicts a token
-    # A chunk that ends in D guesses (chapter 12) needs its last 1 + D rows: each row scores the
-    # next position, the guess after it or, after the last guess, the bonus token.
+    samplers = np.flatnonzero((past_lens + query_lens)[:S] == num_tokens)  # caught up: the last row predicts a token
+    # A chunk that ends in D guesses (chapter 12) needs its last 1 + D real rows: each row scores
+    # the next position, the guess after it or, after the last guess, the bonus token.
     rows_each = 1 + np.fromiter((seqs[i].num_spec_tokens for i in samplers), dtype=np.int64, count=len(samplers))
-    first = np.repeat(query_start[samplers + 1] - rows_each, rows_each)
+    first = np.repeat(query_start[samplers] + query_lens[samplers] - rows_each, rows_each)
     offset = np.arange(int(rows_each.sum())) - np.repeat(np.cumsum(rows_each) - rows_each, rows_each)
     return StepArrays(input_ids, positions, slot_mapping, query_start, context_lens, block_tables,
                       first + offset, samplers.tolist())

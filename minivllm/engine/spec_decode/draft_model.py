@@ -12,6 +12,12 @@ keeps only the K/V of tokens the target really has.
 Guesses are the draft's argmax for greedy requests (certain: q is one-hot) and are drawn from
 the draft's softmax at the request's temperature otherwise (q is that softmax, which the
 rejection sampler needs).
+
+Under a grammar (chapter 13) the draft guesses as the target samples: each of its rows loses
+the tokens the grammar forbids after the guesses before it (`mask_draft_rows`), so it never
+spends a guess on a token the target's masked verify row would reject for certain, and q is the
+masked softmax. The request's matcher walks along its guesses and is rolled back at the end:
+its invariant (it has accepted exactly the sequence's output tokens) holds between steps.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence, Status
 from minivllm.engine.spec_decode.config import SpeculativeConfig
+from minivllm.engine.structured_outputs.bitmask import apply_token_bitmask, num_words
 from minivllm.loader import load_model
 from minivllm.model import Decoder
 
@@ -46,6 +53,20 @@ def load_draft(source: Any, target: Decoder) -> Decoder:
     return draft
 
 
+@torch.inference_mode()  # the logits come from the runner's inference mode: only there may they change in place
+def mask_draft_rows(logits: torch.Tensor, targets: list[Sequence]) -> None:
+    """Chapter 13 in the draft: row i of logits [len(targets), V] loses, in place, every token
+    targets[i]'s grammar forbids where its matcher stands now (after the guesses made so far
+    this step); rows of requests without a grammar stay as they are."""
+    rows = [i for i, target in enumerate(targets) if target.grammar is not None]
+    if not rows:
+        return
+    bitmask = torch.empty(len(rows), num_words(logits.shape[-1]), dtype=torch.int32)
+    for r, i in enumerate(rows):
+        targets[i].grammar.matcher.fill_next_token_bitmask(bitmask, r)
+    apply_token_bitmask(logits, bitmask, rows)
+
+
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, target: Decoder, engine: EngineConfig, sampler: Sampler):
         """engine: the target engine's resolved config, which the draft follows (block size,
@@ -59,7 +80,10 @@ class DraftModelProposer:
                              f"shorter than the engine's max_model_len ({engine.max_model_len})")
         extra = engine.max_num_seqs * (-(-self.k // engine.block_size) + 1)
         draft_engine = dataclasses.replace(engine, num_kv_blocks=engine.num_kv_blocks + extra)
-        self.runner = ModelRunner(self.model, draft_engine)
+        # Its steps replay graphs as the target's do (on a GPU): after its first step a draft
+        # sequence catches up on at most 2 tokens (the guess before the target's bonus token and
+        # that token; 1 after a rejection), then feeds its guesses back one at a time.
+        self.runner = ModelRunner(self.model, draft_engine, graph_query_lens=(1, 2))
         # The draft shares prefixes as the target does (n completions of a prompt, a system
         # prompt): without that it would need more blocks than the target for the same requests.
         manager = PrefixCachingBlockManager if engine.enable_prefix_caching else BlockManager
@@ -71,27 +95,37 @@ class DraftModelProposer:
         and for each the draft distributions q [guesses, V] they were drawn from (None for a
         greedy request: its guesses are certain)."""
         self._forget_stopped()
-        active = [(t, self._shadow(t), limit) for t, limit in zip(targets, limits) if limit > 0]
+        # A grammar that has ended allows no token at all: nothing to guess.
+        active = [(t, self._shadow(t), limit) for t, limit in zip(targets, limits)
+                  if limit > 0 and (t.grammar is None or not t.grammar.matcher.is_terminated())]
         guesses: dict[Sequence, list[int]] = {t: [] for t, _, _ in active}
         dists: dict[Sequence, list[torch.Tensor]] = {t: [] for t, _, _ in active}
         for _ in range(max((limit for _, _, limit in active), default=0)):
             step, schedule = [], SchedulerOutput()
             for target, shadow, limit in active:
                 n = shadow.num_tokens - shadow.num_computed_tokens  # the catch-up chunk, then one guess at a time
-                if len(guesses[target]) < limit and self.blocks.can_grow(shadow.block_table, shadow.num_computed_tokens + n):
+                ended = target.grammar is not None and target.grammar.matcher.is_terminated()  # by a guess
+                if (len(guesses[target]) < limit and not ended
+                        and self.blocks.can_grow(shadow.block_table, shadow.num_computed_tokens + n)):
                     self.blocks.grow(shadow.block_table, shadow.num_computed_tokens + n)
                     schedule.add(shadow, n)
                     step.append((target, shadow))  # a draft out of blocks just guesses less: never an error
             if not step:
                 break
             _, logits, _ = self.runner.run(schedule)  # every shadow ends its chunk: one row each
+            mask_draft_rows(logits, [target for target, _ in step])
             for (target, shadow), n, row in zip(step, schedule.num_new_tokens, logits):
                 shadow.num_computed_tokens += n
                 token, q = self._guess(row, target.params, target.generator or self.sampler.shared_generator(row.device))
                 shadow.token_ids.append(token)
                 guesses[target].append(token)
+                if target.grammar is not None and not target.grammar.matcher.accept_token(token):
+                    raise RuntimeError(f"the grammar refused the draft's guess {token}, drawn from a row it had masked")
                 if q is not None:
                     dists[target].append(q)
+        for target, tokens in guesses.items():  # the matchers back where they were: at the output tokens
+            if target.grammar is not None and tokens:
+                target.grammar.matcher.rollback(len(tokens))
         return ([guesses.get(t, []) for t in targets],
                 [torch.stack(dists[t]) if dists.get(t) else None for t in targets])
 

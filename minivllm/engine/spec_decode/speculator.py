@@ -125,12 +125,13 @@ class Speculator:
         self.proposer = (NgramProposer(config) if config.method == "ngram"
                          else DraftModelProposer(config, target, engine, sampler))
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.pause_at = config.pause_at(target.device)  # disable_by_batch_size, resolved for the device
         self.draft_probs: dict[Sequence, torch.Tensor] = {}  # q of each sequence's guesses, this step
 
     def propose(self, running: list[Sequence]) -> None:
         """Step 1: append guesses to every running sequence that may speculate (none while the
         batch is at least disable_by_batch_size: it has no spare compute to verify them with)."""
-        pause = self.config.disable_by_batch_size
+        pause = self.pause_at
         if pause is not None and len(running) >= pause:
             return
         seqs = [seq for seq in running if may_speculate(seq)]
