@@ -18,30 +18,35 @@ command. So the parts run in one call, in priority order, each under min(its lim
 
  priority part            what                                                   H200     limit
  1        smoke           Qwen3-0.6B shape: the default engine (graphs, fused,    41 s      60 s
-                          Triton) against the eager one, fp32 identical; bf16
- 2        roofline        nano workload: graphs+fused, graphs, eager (each row   ~110 s    170 s
-                          saved as it ends), then transformers on 64 requests
-                          until 15 s before the part's limit, counting the
-                          requests it finished
- 3        serving         `minivllm serve` in its own process, `minivllm          ~90 s    120 s
-                          bench-serve` in another, 1, 8, 32, 128 users, 4
-                          requests per user per level; continuous, then static
- 4        kernel          chapter 8: decode kernel vs SDPA and copy bandwidth     20 s      40 s
- 5        gpu_checks      pytest -m gpu: fp32 against transformers or the eager   ~40 s     70 s
+                          Triton, async scheduling) against the eager one, fp32
+                          identical; bf16
+ 2        gpu_checks      pytest -m gpu: fp32 against transformers or the eager   ~40 s     70 s
                           engine (tests/test_gpu_checks.py and the chapters')
- 6        step_profile    chapter 9: one decode step at batch 256, contexts       28 s      60 s
-                          ~600: eager, graphs, graphs + fused
- 7        speculation     chapter 12: a verify step (k = 4) against a decode      15 s      40 s
-                          step at batch 1-256
- 8        tour            minivllm tour on 64 ladder_gpu requests, each stage   (goal      170 s
+ 3        roofline        nano workload: graphs+fused+async, graphs+fused,       ~90 s    130 s
+                          graphs, eager (each row saved as it ends), then
+                          transformers on 64 requests until 15 s before the
+                          part's limit, counting the requests it finished
+ 4        serving         `minivllm serve` in its own process, `minivllm        ~150 s    200 s
+                          bench-serve` in another, 1, 8, 32, 128, 256 users, 4
+                          requests per user per level; chapter 10's one-process
+                          server, then chapter 15's core process
+ 5        overlap         chapter 16: a decode step at batch 256, contexts       ~40 s     60 s
+                          ~600, synchronous against async scheduling
+ 6        speculation     chapter 12: a verify step (k = 4) from graphs against  ~40 s     60 s
+                          a decode step at batch 1-256; the embedded model's
+                          n-gram speed-up at batch 1
+ 7        step_profile    chapter 9: one decode step at batch 256, contexts       28 s      60 s
+                          ~600: eager, graphs, graphs + fused, + async
+ 8        kernel          chapter 8: decode kernel vs SDPA and copy bandwidth     20 s      40 s
+ 9        tour            minivllm tour on 64 ladder_gpu requests, each stage   (goal      170 s
                           under a budget of its own                              <300 s)
- 9        prefix_caching  chapter 11: 256 requests sharing a 200-token prompt;  ~90 s     120 s
+ 10       prefix_caching  chapter 11: 256 requests sharing a 200-token prompt;  ~90 s     120 s
                           the shared-share sweep on 64 requests, median of 3
 
 The H200 column is what the part took on one H200 at 7d18199 (../shared/measured/h200-2026-11-26/),
-or an estimate from it; limits are 1.3-2x that. They sum to 850 s, more than the 540 s budget: the
-parts at the end get what the ones before leave, which on an H200 should be 60-120 s for the tour and
-little or nothing for prefix caching (run it alone with --parts prefix_caching when it matters).
+or an estimate from it; limits are 1.3-2x that. They sum to 970 s, more than the 540 s budget: the
+parts at the end get what the ones before leave, which on an H200 may be nothing for the tour and
+prefix caching (run them alone with --parts tour,prefix_caching when they matter).
 
 Adding a part is one entry in PARTS: a name, a limit in seconds, a line saying what it measures, a
 `summarize` that reads its headline from the files it wrote, and either `command` (a function of the
@@ -238,12 +243,13 @@ def serve_and_load(run: Run, results: str, servers: dict[str, list[str]], levels
 
 
 def serving(run: Run) -> None:
-    """Chapter 10's servers: continuous, then static batches of 16."""
+    """Chapter 10's one-process server (the engine in a thread beside the event loop) against chapter
+    15's (the engine core in a process of its own), on the same requests."""
     settings = ["--num-kv-blocks", "16384"] if run.gpu else ["--threads", "1"]
-    serve_and_load(run, f"10_serving_{'gpu' if run.gpu else 'cpu'}",
-                   {"continuous": settings, "static": [*settings, "--scheduler", "static", "--static-batch-size", "16"]},
-                   [1, 8, 32, 128] if run.gpu else [2], "ladder_gpu" if run.gpu else "tiny",
-                   "10_latency_vs_concurrency" + ("_gpu" if run.gpu else ""))
+    serve_and_load(run, f"15_serving_{'gpu' if run.gpu else 'cpu'}",
+                   {"one process (ch10)": [*settings, "--engine-core", "thread"], "core process (ch15)": settings},
+                   [1, 8, 32, 128, 256] if run.gpu else [2], "ladder_gpu" if run.gpu else "tiny",
+                   "15_latency_vs_users" + ("_gpu" if run.gpu else "_dry_run"))
 
 
 def levels_summary(results_name: str) -> Callable[[Run], dict[str, Any]]:
@@ -261,7 +267,24 @@ def levels_summary(results_name: str) -> Callable[[Run], dict[str, Any]]:
 
 
 def serving_summary(run: Run) -> dict[str, Any]:
-    return levels_summary(f"10_serving_{'gpu' if run.gpu else 'cpu'}")(run)
+    return levels_summary(f"15_serving_{'gpu' if run.gpu else 'cpu'}")(run)
+
+
+def overlap(run: Run) -> list[str]:
+    size = (["--batch-size", "256", "--context", "600", "--steps", "20", "--device-ms", "2"] if run.gpu else
+            ["--batch-size", "4", "--context", "40", "--steps", "3", "--device-ms", "2"])
+    return [script("chapters", "16_async_scheduling.py"), "--device", run.device, *run.model, *size]
+
+
+def overlap_summary(run: Run) -> dict[str, Any]:
+    payload = results(run, f"16_async_scheduling_{run.device}")
+    summary = {"same tokens": payload["sample"].get("same_tokens") if isinstance(payload["sample"], dict) else None}
+    gpu = payload.get("gpu")
+    if gpu:
+        summary |= {name: {"step ms": round(gpu[name]["plain_step_ms"], 2),
+                           "GPU busy ms": round(gpu[name]["device_busy_ms"], 2),
+                           "step / busy": round(gpu[f"{name}_step_over_busy"], 3)} for name in ("sync", "async")}
+    return summary
 
 
 # ---- the others ----------------------------------------------------------------------------------------------
@@ -310,14 +333,21 @@ def profile_summary(run: Run) -> dict[str, Any]:
 
 
 def speculation(run: Run) -> list[str]:
-    return [script("chapters", "12_speculative_decoding.py"), "--device", run.device, *run.model,
-            *(["--k", "4"] if run.gpu else ["--batches", "1", "2", "--k", "2"])]
+    """Chapter 12 on the device: verify steps replayed from graphs against decode steps (the shape's
+    random weights), then the embedded model's n-gram speed-up at batch 1 (real weights)."""
+    return [script("chapters", "12_speculative_decoding.py"), "--device", run.device, *run.model, "--runbook",
+            *(["--k", "4"] if run.gpu else ["--batches", "1", "2", "--k", "2", "--output-tokens", "24",
+                                            "--prompt-tokens", "64", "--repeats", "1"])]
 
 
 def speculation_summary(run: Run) -> dict[str, Any]:
-    payload = results(run, f"12_speculative_decoding_{run.device}")
-    return {"verify (k + 1 tokens) / decode by batch": {r["batch_size"]: round(r["ratio"], 2)
-                                                        for r in payload["verify_cost"]}}
+    payload = results(run, f"12_speculative_decoding_runbook_{run.device}")
+    e2e = payload["end_to_end"]
+    return {"verify (k + 1 tokens) / decode by batch, graphs": {r["batch_size"]: round(r["ratio"], 2)
+                                                                for r in payload["verify_cost"]},
+            "eager verify / decode by batch": {r["batch_size"]: round(r["eager_ratio"], 2)
+                                               for r in payload["verify_cost"]},
+            "embedded model n-gram / plain at batch 1": round(e2e["speedup"], 2), "same tokens": e2e["same_tokens"]}
 
 
 def tour(run: Run) -> None:
@@ -366,13 +396,16 @@ def prefix_summary(run: Run) -> dict[str, Any]:
 
 PARTS: list[Part] = [  # in priority order: the budget runs out at the end of this list
     Part("smoke", 60, "default engine against eager, fp32 and bf16", smoke_summary, command=smoke),
-    Part("roofline", 170, "nano workload against its memory floor", roofline_summary, command=roofline),
-    Part("serving", 120, "server and load generator over HTTP, 1-128 users", serving_summary, function=serving,
-         extra_modules=True),
-    Part("kernel", 40, "decode kernel against SDPA", kernel_summary, command=kernel, cpu_limit=60),
     Part("gpu_checks", 70, "pytest -m gpu", checks_summary, command=gpu_checks, extra_modules=True),
-    Part("step_profile", 60, "one decode step: eager, graphs, graphs+fused", profile_summary, command=step_profile),
-    Part("speculation", 40, "verify step against decode step", speculation_summary, command=speculation),
+    Part("roofline", 130, "nano workload against its memory floor", roofline_summary, command=roofline),
+    Part("serving", 200, "one-process vs core-process server over HTTP, 1-256 users", serving_summary,
+         function=serving, extra_modules=True),
+    Part("overlap", 60, "a decode step at batch 256, synchronous vs async scheduling", overlap_summary,
+         command=overlap),
+    Part("speculation", 60, "verify step against decode step", speculation_summary, command=speculation),
+    Part("step_profile", 60, "one decode step: eager, graphs, graphs+fused, +async", profile_summary,
+         command=step_profile),
+    Part("kernel", 40, "decode kernel against SDPA", kernel_summary, command=kernel, cpu_limit=60),
     Part("tour", 170, "the ladder, every stage under a budget", tour_summary, function=tour),
     Part("prefix_caching", 120, "shared prompts, caching on against off", prefix_summary, command=prefix_caching),
 ]

@@ -38,9 +38,10 @@ def checked(batch: InputBatch, steps: list[int]):
     """batch.step_arrays, compared with build_step_arrays from the same sequences every call."""
     step_arrays = batch.step_arrays
 
-    def check(seqs, num_new, num_rows=None, pad_block=None):
-        arrays = step_arrays(seqs, num_new, num_rows, pad_block)
-        assert_same(arrays, build_step_arrays(seqs, num_new, batch.block_size, num_rows, pad_block=pad_block))
+    def check(seqs, num_new, num_rows=None, pad_block=None, query_len=None):
+        arrays = step_arrays(seqs, num_new, num_rows, pad_block, query_len)
+        assert_same(arrays, build_step_arrays(seqs, num_new, batch.block_size, num_rows, pad_block=pad_block,
+                                              query_len=query_len))
         steps.append(len(seqs))
         return arrays
 
