@@ -125,7 +125,6 @@ class Part:
     command: Callable[[Run], list[str]] | None = None  # the arguments after `python`
     function: Callable[[Run], None] | None = None  # or: work done in the part's own process
     cpu_limit: float | None = None  # the dry run's limit, if not `limit`
-    extra_modules: bool = False  # imports FastAPI & co. or xgrammar (installed from --wheels)
 
 
 def script(*path: str) -> str:
@@ -396,10 +395,10 @@ def prefix_summary(run: Run) -> dict[str, Any]:
 
 PARTS: list[Part] = [  # in priority order: the budget runs out at the end of this list
     Part("smoke", 60, "default engine against eager, fp32 and bf16", smoke_summary, command=smoke),
-    Part("gpu_checks", 70, "pytest -m gpu", checks_summary, command=gpu_checks, extra_modules=True),
+    Part("gpu_checks", 70, "pytest -m gpu", checks_summary, command=gpu_checks),
     Part("roofline", 130, "nano workload against its memory floor", roofline_summary, command=roofline),
     Part("serving", 200, "one-process vs core-process server over HTTP, 1-256 users", serving_summary,
-         function=serving, extra_modules=True),
+         function=serving),
     Part("overlap", 60, "a decode step at batch 256, synchronous vs async scheduling", overlap_summary,
          command=overlap),
     Part("speculation", 60, "verify step against decode step", speculation_summary, command=speculation),
@@ -590,11 +589,11 @@ def main() -> int:
                                    machine=machine(args.device), parts=[])
     print(f"runbook: {', '.join(p.name for p in args.parts)} on {args.device}, budget {args.budget:.0f} s; "
           f"writing to {out}", flush=True)
-    extra_path = None
+    # Once, before the first part: since chapter 15 the package itself imports msgspec (the core's
+    # messages), so every part needs what the wheels bring, not only the server's.
+    summary["extra_packages"], extra_path = extra_packages(args.wheels, out / "wheels.log")
+    print(f"packages: {summary['extra_packages']}", flush=True)
     for number, part in enumerate(args.parts, 1):
-        if part.extra_modules and "extra_packages" not in summary:  # once, before the first part that needs them
-            summary["extra_packages"], extra_path = extra_packages(args.wheels, out / "wheels.log")
-            print(f"packages: {summary['extra_packages']}", flush=True)
         own = (part.limit if args.device == "cuda" else part.cpu_limit or part.limit) * args.limit_scale
         limit = min(own, end - time.time())
         if limit < 5:
@@ -602,7 +601,7 @@ def main() -> int:
         else:
             print(f"part {number} {part.name} (limit {limit:.0f} s) ...", flush=True)
             run = Run(args.device, model, out, limit, time.time() + limit)
-            row = run_part(part, number, run, extra_path if part.extra_modules else None)
+            row = run_part(part, number, run, extra_path)
         summary["parts"].append(row)
         summary["seconds"] = round(time.time() - started, 1)
         (out / "runbook.json").write_text(json.dumps(summary, indent=2, default=str, ensure_ascii=False) + "\n")

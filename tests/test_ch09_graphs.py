@@ -212,7 +212,8 @@ def test_captured_graphs_give_transformers_tokens(hf_models, reference, settings
     from minivllm import load_model
 
     model = load_model(hf_models["qwen3"], device="cuda", dtype=torch.float32)
-    llm = with_graphs(LLM(model, attention="triton", cuda_graphs=False, fused_ops=False, **settings))
+    llm = with_graphs(LLM(model, attention="triton", cuda_graphs=False, fused_ops=False, async_scheduling=False,
+                          **settings))  # chapter 9's engine: synchronous steps
     counter = CountingReplays(llm.engine.runner)
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in LENGTHS]
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

@@ -121,9 +121,10 @@ def _kv_tile(
 
 
 @triton.jit
-def _online_softmax_step(scores, v, m_i, l_i, acc):
+def _online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold one tile into the running softmax of each row: scores [M, BLOCK_N] (fp32, -inf
-    where hidden), v [BLOCK_N, BLOCK_D]; m_i, l_i [M] and acc [M, BLOCK_D] in fp32.
+    where hidden), v [BLOCK_N, BLOCK_D]; m_i, l_i [M] and acc [M, BLOCK_D] in fp32; the p·v
+    product in DOT_PRECISION (exact "ieee" for fp32 values, as the scores' product).
     A row that has seen no visible key yet, here included, keeps (-inf, 0, 0): a verify row
     (chapter 12) may find every key of a tile past its own position."""
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -132,7 +133,7 @@ def _online_softmax_step(scores, v, m_i, l_i, acc):
     p = tl.exp(scores - m_safe[:, None])  # this tile's unnormalised probabilities, <= 1
     l_i = l_i * alpha + tl.sum(p, 1)
     # p is cast to V's dtype (bf16 on a GPU) so the second matmul runs on tensor cores too.
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -315,7 +316,7 @@ def _paged_decode_kernel(
         block = _block_ids(table, positions, end, BLOCK_SIZE)  # the next tile's, read past nothing
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
         scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     if SINGLE_PASS:
         # One partition saw the whole context: finish the softmax here. (A context of 0
@@ -526,7 +527,7 @@ def _paged_prefill_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         causal = exists[None, :] & (positions[None, :] <= query_pos[:, None])
         scores = tl.where(causal, scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     out_offsets = (q_start + token)[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
