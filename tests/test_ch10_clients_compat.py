@@ -89,6 +89,7 @@ def test_vllm_extra_fields_do_what_they_say(server, tokenizer):
         tokenizer.encode(PROMPT, add_special_tokens=False))
 
 
+@pytest.mark.ch13
 def test_older_guided_names_are_structured_outputs(server):
     text = complete(server, guided_choice=["yes", "no"], max_tokens=4)["choices"][0]["text"]
     assert text in {"yes", "no"}
@@ -97,6 +98,19 @@ def test_older_guided_names_are_structured_outputs(server):
     value = json.loads(complete(server, guided_json={"type": "object", "properties": {"a": {"type": "integer"}},
                                                      "required": ["a"]}, max_tokens=24)["choices"][0]["text"])
     assert isinstance(value["a"], int)
+
+
+@pytest.mark.ch13
+def test_json_schema_string_lengths_hold_and_the_output_stays_json(server):
+    """minLength/maxLength become a pattern of unescaped characters (xgrammar's own admit raw
+    control characters, which JSON forbids): sampled outputs parse and respect the lengths."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 5},
+                                               "tag": {"type": "string", "maxLength": 1}}, "required": ["name", "tag"]}
+    texts = [complete(server, guided_json=schema, max_tokens=40, temperature=1.0, seed=seed)["choices"][0]["text"]
+             for seed in range(6)]
+    for text in texts:
+        value = json.loads(text)
+        assert 2 <= len(value["name"]) <= 5 and len(value["tag"]) <= 1, text
 
 
 def test_ignored_fields_are_named_in_a_warning(server, caplog):

@@ -252,7 +252,8 @@ class SamplingFields(Lenient):
                                            ("structured_outputs", self.structured_outputs is not None),
                                            ("guided_*", bool(guided))) if there]
         if len(given) > 1:
-            raise ValueError(f"give one of response_format, structured_outputs or guided_*, not {' and '.join(given)}")
+            raise ValueError(f"give one of response_format, structured_outputs or guided_*, not both "
+                             f"({' and '.join(given)})")
         if guided:
             return StructuredOutputsParams(**guided)
         if self.structured_outputs is not None:
