@@ -3,18 +3,20 @@ become the engine's SamplingParams (vLLM's names, so the mapping is mostly one t
 goes back (answer bodies, logprobs, errors) is responses.py's.
 
 The models are strict about values, like the rest of minivllm: a string where a number belongs
-is refused, not converted, and a name nobody defines (a typo) is refused too. About *names* they
-accept what vLLM accepts (issue 36: clients nobody here wrote send them):
+is refused, not converted, and a name nobody defines is refused too (vLLM ignores any unknown
+name with a warning, but a typo such as `max_tokenz` would then silently change nothing). About
+the names OpenAI and vLLM define, they accept what vLLM accepts (issue 36: clients send them):
 - `null` means "not given" for every field (many client libraries send every field they know);
 - OpenAI's fields that change nothing here (`user`, `store`, `metadata`, `service_tier`,
-  `parallel_tool_calls`, vLLM's `priority` and `guided_decoding_backend`, ...) are ignored, with
-  a logged warning that names them, as vLLM does;
+  `parallel_tool_calls`, vLLM's `guided_decoding_backend`, ...) are ignored, with a logged
+  warning that names them, as vLLM does (`priority` too: the scheduler has no priorities);
 - OpenAI's fields that would change the answer and that minivllm does not implement (`suffix`,
   `tools`, `logit_bias`, vLLM's `allowed_token_ids` and `bad_words`, a `best_of` above `n`, ...)
   are a 400 that names them when given a value, never silently dropped.
 Besides OpenAI's fields, the requests take vLLM's extra sampling fields (top_k, min_p,
-min_tokens, repetition_penalty, ignore_eos, stop_token_ids), which the openai client sends
-through `extra_body`.
+min_tokens, repetition_penalty, ignore_eos, stop_token_ids, truncate_prompt_tokens,
+add_special_tokens, request_id, the older guided_* names of structured_outputs), which the
+openai client sends through `extra_body`.
 
 A completion request may carry a batch of prompts (evaluation harnesses send them): each prompt
 becomes one engine request, and choice `prompt_index * n + completion_index` answers it. With
