@@ -191,7 +191,7 @@ class SamplingFields(Lenient):
     include_stop_str_in_output: bool | None = None
     best_of: int | None = None  # OpenAI's; only best_of == n (the default) is served: no completion is thrown away
     skip_special_tokens: bool = True  # the detokenizer always leaves special tokens out of the text
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k tokens (-1: the context's)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
     priority: int = 0  # accepted, and ignored: the scheduler serves first come, first served
     request_id: str | None = Field(default=None, min_length=1)  # names the request (ids and logs)
     tool_choice: Literal["none"] | None = None  # "none" asks for no tool: what every answer here is
