@@ -46,7 +46,7 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
     static_batch_size = args.static_batch_size if args.scheduler == "static" else None
     return dict(max_waiting=args.max_waiting, static_batch_size=static_batch_size, max_logprobs=args.max_logprobs,
-                api_key=api_key)
+                api_key=api_key, max_request_bytes=args.max_request_bytes)
 
 
 def engine_core(args: argparse.Namespace) -> str:
@@ -190,6 +190,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--static-batch-size", type=int, default=16)
     serve.add_argument("--max-logprobs", type=int, default=20,
                        help="the most logprobs alternatives a request may ask for (more: 400), as vLLM's")
+    serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                       help="larger request bodies are refused (413) before they are read (default 4 MiB)")
     serve.add_argument("--api-key", default=None,
                        help="every /v1 route wants `Authorization: Bearer KEY` (default: $MINIVLLM_API_KEY, else open)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) for models without one")

@@ -459,6 +459,9 @@ def test_serve_flags_reach_the_app():
     from minivllm.cli import build_parser, server_options
 
     options = server_options(build_parser().parse_args(["serve", "--max-logprobs", "5", "--api-key", KEY,
-                                                        "--scheduler", "static", "--static-batch-size", "4"]))
-    assert options == {"max_waiting": 512, "static_batch_size": 4, "max_logprobs": 5, "api_key": KEY}
+                                                        "--scheduler", "static", "--static-batch-size", "4",
+                                                        "--max-request-bytes", "1000"]))
+    assert options == {"max_waiting": 512, "static_batch_size": 4, "max_logprobs": 5, "api_key": KEY,
+                       "max_request_bytes": 1000}
+    assert server_options(build_parser().parse_args(["serve"]))["max_request_bytes"] == 4 * 2**20
     assert server_options(build_parser().parse_args(["serve"]))["max_logprobs"] == 20  # vLLM's default

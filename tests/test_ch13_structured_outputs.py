@@ -279,8 +279,11 @@ def test_sampling_params_check_how_a_constraint_fits():
 @pytest.mark.parametrize("constraint, message", [
     (StructuredOutputsParams(json={"type": "foo"}), "invalid structured_outputs.json"),
     (StructuredOutputsParams(json={"allOf": [{"type": "integer"}]}), r"schema\.allOf"),
-    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}),
+    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string", "maxLength": 3,
+                                                                           "pattern": "[a-z]+"}}}),
      r"schema\.properties\.a\.maxLength"),
+    (StructuredOutputsParams(json={"type": "string", "minLength": 3, "maxLength": 2}), "no string fits"),
+    (StructuredOutputsParams(json={"type": "string", "maxLength": 1000}), "at most 256"),
     (StructuredOutputsParams(json={"type": "array", "items": {"type": "number", "multipleOf": 0.5}}),
      r"schema\.items\.multipleOf"),
     (StructuredOutputsParams(json={"type": "string", "format": "weird"}), "format 'weird'"),

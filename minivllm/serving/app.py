@@ -2,8 +2,11 @@
 
     POST /v1/completions        a prompt (text or token ids), or a batch of them -> completion(s)
     POST /v1/chat/completions   messages -> the checkpoint's chat template -> completion(s)
-    GET  /v1/models             the one model this server serves
+    GET  /v1/models             the one model this server serves (/v1/models/{id}: its card)
     GET  /health                200 while the engine thread runs
+    POST /tokenize, /detokenize vLLM's: text or messages -> token ids, token ids -> text
+    GET  /tokenizer_info        vLLM's: the tokenizer's class, special tokens, chat template
+    GET  /version               the minivllm version
     GET  /metrics               Prometheus text: queue, KV cache, tokens, latency histograms
     GET  /server_info           the engine's settings, device and model shape (for benchmarks)
 
@@ -18,11 +21,18 @@ With an API key (`api_key`), every /v1 route wants it (auth.py). A failure insid
 a 500 with the same body, whose message says what raised (in a student copy, the exercise whose
 stub it was); once a streamed answer has begun, its status is already sent, so the error comes as
 one last event, `data: {"error": ...}`, before `data: [DONE]` (as vLLM does; the openai client
-raises it as an APIError).
+raises it as an APIError). Every other error, an unknown route (404) or method (405) included,
+has the same body.
+
+Issue 36: prompts are tokenized in a worker thread (`asyncio.to_thread`): a 2 MB prompt takes
+seconds to tokenize, and on the event loop those seconds would stall every other request and
+/health. Bodies above `max_request_bytes` are refused with 413 before they are read
+(body_limit.py).
 """
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -36,6 +46,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from minivllm.engine.llm import render_chat
 from minivllm.engine.llm_engine import LLMEngine
@@ -44,7 +55,9 @@ from minivllm.engine.sampling_params import SamplingParams
 from minivllm.serving.async_engine import AsyncEngine, EngineDead, EngineFailed, Overloaded, RequestStream, merge
 from minivllm.serving.async_llm import AsyncLLM
 from minivllm.serving.auth import APIKeyMiddleware, check_api_key
-from minivllm.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_max_tokens
+from minivllm.serving.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
+from minivllm.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, check_max_tokens)
 from minivllm.serving.responses import Echo, chat_response, completion_response, error_body, prompt_only
 from minivllm.serving.sse import DONE, Chunks, sse, stream_events
 
@@ -80,14 +93,17 @@ class Server:
 
 def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 512,
               static_batch_size: int | None = None, max_logprobs: int = MAX_LOGPROBS,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The server for one engine: an LLMEngine stepped by a thread of this process (chapter 10),
     or an AsyncLLM, whose core runs in a process of its own (chapter 15; it brings its own
     max_waiting, and static batches are chapter 10's only). `model_name` is what requests must
     name in "model"; max_logprobs: the most alternatives per token a request may ask for (more
-    is a 400); api_key: None leaves the server open, a key makes every /v1 route want it."""
+    is a 400); api_key: None leaves the server open, a key makes every /v1 route want it;
+    max_request_bytes: larger request bodies are a 413, refused before they are read."""
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
         raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
     if api_key is not None:
         check_api_key(api_key)
     if isinstance(engine, AsyncLLM):
@@ -96,12 +112,15 @@ def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 
         async_engine, max_waiting = engine, engine.max_waiting
     else:
         async_engine = AsyncEngine(engine, max_waiting, static_batch_size)
+    async_engine.metrics.model_name = model_name  # the label of the vllm: series
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.state.server = Server(async_engine, model_name, max_waiting, static_batch_size, max_logprobs)
     app.state.engine = async_engine
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)  # added last: the outermost
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, failure)
     app.add_exception_handler(RequestValidationError, invalid_request)
@@ -126,6 +145,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 async def api_error(request: Request, err: APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if err.status == 503 else None
     return JSONResponse(error_body(err.message, err.kind, err.param, err.code), err.status, headers=headers)
+
+
+async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (an unknown route: 404, a wrong method: 405) in OpenAI's shape."""
+    kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(err.status_code, "invalid_request_error")
+    message = f"{request.method} {request.url.path}: {err.detail}"
+    return JSONResponse(error_body(message, kind), err.status_code, headers=getattr(err, "headers", None))
 
 
 async def client_gone(request: Request, err: ClientGone) -> Response:
@@ -154,9 +180,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     check_model(server, body.model)
     body.check_logprobs(server.max_logprobs)
     params = bad_request_unless(body.sampling_params)
-    texts, prompts = zip(*tokenized(server, body.prompts()))
+    pairs = await asyncio.to_thread(tokenized, server, body.prompts(), body.add_special_tokens,
+                                    body.truncate_prompt_tokens)
+    texts, prompts = zip(*pairs)
     check_fit(server, "max_tokens", body.max_tokens, prompts)
-    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    request_id, created = f"cmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
     streams = await submit(server, request_id, list(prompts), params, request)
     tokenizer = server.engine.tokenizer
     echo = [echo_of(text, ids, tokenizer) for text, ids in zip(texts, prompts)] if body.echo else None
@@ -165,8 +193,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     respond = partial(completion_response, request_id=request_id, created=created, model=server.model_name,
                       top_logprobs=body.top_logprobs_wanted, echo=echo,
                       show_prompt_logprobs=body.prompt_logprobs is not None)
-    return await answer(server, streams, chunks, body.include_usage, body.stream, request, respond,
-                        prompt_only if body.scores_only else None)
+    return await answer(server, streams, chunks, body, request, respond, prompt_only if body.scores_only else None)
 
 
 @routes.post("/v1/chat/completions")
@@ -175,15 +202,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     check_model(server, body.model)
     body.check_logprobs(server.max_logprobs)
     params = bad_request_unless(body.sampling_params)
-    prompt = chat_prompt(server.engine.tokenizer, [m.as_template_input() for m in body.messages], server.model_name)
+    messages = [m.as_template_input() for m in body.messages]
+    prompt = await asyncio.to_thread(chat_prompt, server.engine.tokenizer, messages, server.model_name)
+    if body.truncate_prompt_tokens is not None:
+        prompt = truncated(server, prompt, body.truncate_prompt_tokens)
     check_fit(server, *body.max_tokens_field, [prompt])
-    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    request_id, created = f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
     streams = await submit(server, request_id, [prompt], params, request)
     chunks = Chunks(request_id, created, server.model_name, chat=True, top_logprobs=body.top_logprobs_wanted,
                     n=body.n)
     respond = partial(chat_response, request_id=request_id, created=created, model=server.model_name,
                       top_logprobs=body.top_logprobs_wanted)
-    return await answer(server, streams, chunks, body.include_usage, body.stream, request, respond)
+    return await answer(server, streams, chunks, body, request, respond)
 
 
 @routes.get("/v1/models")
@@ -192,6 +222,64 @@ async def models(request: Request) -> dict[str, Any]:
     card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "minivllm",
             "max_model_len": server.engine.max_model_len}
     return {"object": "list", "data": [card]}
+
+
+@routes.get("/v1/models/{model_id:path}")
+async def model_card(model_id: str, request: Request) -> dict[str, Any]:
+    server = request.app.state.server
+    check_model(server, model_id)
+    return (await models(request))["data"][0]
+
+
+@routes.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    """vLLM's: the token ids the server would run for this text (or these messages), with no
+    limit on the length (a count is often what is asked)."""
+    server = request.app.state.server
+    tokenizer = the_tokenizer(server, body.model)
+    if body.messages is not None:
+        messages = [m.as_template_input() for m in body.messages]
+        if not getattr(tokenizer, "chat_template", None):
+            chat_prompt(tokenizer, messages, server.model_name)  # the 400 that says so
+        try:
+            _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, None, body.add_generation_prompt)
+        except Exception as err:
+            raise APIError(400, f"the chat template could not render these messages: {err}", param="messages")
+    else:
+        ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+@routes.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    server = request.app.state.server
+    tokenizer = the_tokenizer(server, body.model)
+    vocab_size = server.engine.engine_info()["vocab_size"]
+    bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param="tokens")
+    return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+
+
+@routes.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness asks it
+    first, then uses /tokenize and /detokenize instead of downloading a tokenizer)."""
+    server = request.app.state.server
+    tokenizer = the_tokenizer(server, None)
+    info = {"tokenizer_class": type(tokenizer).__name__, "model_max_length": server.engine.max_model_len,
+            "chat_template": getattr(tokenizer, "chat_template", None), "vocab_size": len(tokenizer)}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        token = getattr(tokenizer, name, None)
+        info[name] = token if isinstance(token, str) or token is None else str(token)
+        info[f"{name}_id"] = getattr(tokenizer, f"{name}_id", None)
+    return info
+
+
+@routes.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": importlib.metadata.version("minivllm")}
 
 
 @routes.get("/health")
@@ -225,16 +313,43 @@ def check_model(server: Server, name: str) -> None:
                        param="model", code="model_not_found")
 
 
-def tokenized(server: Server, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+def the_tokenizer(server: Server, model: str | None) -> Any:
+    """The engine's tokenizer, for the side endpoints (their `model` may be left out)."""
+    if model is not None:
+        check_model(server, model)
+    if server.engine.tokenizer is None:
+        raise APIError(400, f"the model `{server.model_name}` has no tokenizer: it takes and gives token ids only")
+    return server.engine.tokenizer
+
+
+def tokenized(server: Server, prompts: list[str | list[int]], add_special_tokens: bool = True,
+              truncate: int | None = None) -> list[tuple[str | None, list[int]]]:
     """Each prompt's (text or None, token ids), through the engine's own tokenize; a prompt it
-    refuses is a 400 that says which one."""
-    pairs = []
+    refuses is a 400 that says which one. add_special_tokens=False: a text prompt's tokens
+    without the tokenizer's BOS and the like; truncate (vLLM's truncate_prompt_tokens): keep
+    only the prompt's last `truncate` tokens (-1: max_model_len), and echo those, not the text.
+    Slow for long texts: the routes call it in a worker thread."""
+    tokenizer, pairs = server.engine.tokenizer, []
     for i, prompt in enumerate(prompts):
+        text = prompt if isinstance(prompt, str) else None
         try:
-            pairs.append(server.engine.tokenize(prompt))
+            if text is not None and tokenizer is not None and (not add_special_tokens or truncate is not None):
+                prompt = tokenizer.encode(text, add_special_tokens=add_special_tokens)  # checked below as ids
+            if truncate is not None and not isinstance(prompt, str):
+                kept = truncated(server, prompt, truncate)
+                prompt, text = kept, (text if len(kept) == len(prompt) else None)  # echo: the tokens kept
+            pairs.append((text, server.engine.tokenize(prompt)[1]))
         except ValueError as err:
             raise APIError(400, f"prompt {i}: {err}" if len(prompts) > 1 else str(err), param="prompt")
     return pairs
+
+
+def truncated(server: Server, token_ids: list[int], keep: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: max_model_len of them)."""
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens must be at least 1 (or -1: the model's context)",
+                       param="truncate_prompt_tokens")
+    return token_ids[-(server.engine.max_model_len if keep == -1 else keep):]
 
 
 def check_fit(server: Server, name: str, max_tokens: int | None, prompts: list[list[int]]) -> None:
@@ -275,17 +390,18 @@ async def submit(server: Server, request_id: str, prompts: list[list[int]], para
     raise err
 
 
-async def answer(server: Server, streams: list[RequestStream], chunks: Chunks, include_usage: bool, streaming: bool,
-                 request: Request, respond: Callable[[list[RequestOutput]], dict[str, Any]],
+async def answer(server: Server, streams: list[RequestStream], chunks: Chunks,
+                 body: CompletionRequest | ChatCompletionRequest, request: Request,
+                 respond: Callable[[list[RequestOutput]], dict[str, Any]],
                  shown: Callable[[RequestOutput], RequestOutput] | None = None) -> Response:
-    """Stream the outputs as server-sent events, or wait for every prompt's last output and
-    answer once (respond: the prompts' final outputs -> the body). shown: what the client
-    sees of an output (prompt_only, to score a prompt), or None for all of it."""
+    """Stream the outputs as server-sent events (if the body asks), or wait for every prompt's
+    last output and answer once (respond: the prompts' final outputs -> the body). shown: what
+    the client sees of an output (prompt_only, to score a prompt), or None for all of it."""
     shown = shown or (lambda output: output)
-    if streaming:
+    if body.stream:
         outputs = ((i, shown(output)) async for i, output in merge(streams))
-        return StreamingResponse(abort_if_left(server, streams, stream_events(outputs, chunks, include_usage)),
-                                 media_type="text/event-stream")
+        events = stream_events(outputs, chunks, body.include_usage, body.continuous_usage)
+        return StreamingResponse(abort_if_left(server, streams, events), media_type="text/event-stream")
     try:
         outputs = await unless_disconnected(request, asyncio.gather(*(s.final() for s in streams)))
     except ClientGone:
@@ -375,7 +491,8 @@ def describe_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | 
         elif e.get("type") == "extra_forbidden":
             messages.append(f"unknown or unsupported field `{field}`")
         elif e.get("type") == "value_error":  # a validator's own sentence, without pydantic's "Value error, "
-            messages.append(f"{field}: {e.get('ctx', {}).get('error', e.get('msg'))}")
+            error = e.get("ctx", {}).get("error", e.get("msg"))
+            messages.append(f"{field}: {error}" if field else str(error))
         else:
             messages.append(f"{field}: {e.get('msg')}" if field else str(e.get("msg")))
         params.append(field)

@@ -10,6 +10,10 @@ histograms. Each histogram has a bucket edge at the chapter's SLO (500 ms to the
 All updates come from the engine thread, at the moment a step's outputs come out (or a request
 is taken in or aborted); the event loop only reads. prometheus_client's metrics are
 thread-safe, and the per-request clocks below are touched by the engine thread alone.
+
+Issue 36: every quantity vLLM also exports is exported a second time under vLLM's name
+(`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ..., labelled with
+`model_name` as vLLM's are), so a Grafana dashboard made for vLLM reads this server unchanged.
 """
 from __future__ import annotations
 
@@ -33,12 +37,43 @@ class _Clock:
     num_tokens: int = 0  # output tokens seen so far, all completions together
 
 
+class VllmNames:
+    """The same quantities under vLLM's names, labelled by model (vLLM's label)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        label = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", label, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued, not yet running", label, registry=r)
+        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the KV-cache blocks in use (0-1)", label,
+                                    registry=r)
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                            "cache", label, registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", label,
+                                         registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that started", label, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens generated", label, registry=r)
+        self.finished = Counter("vllm:request_success", "Requests done, by why they ended",
+                                ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first output token", label,
+                              buckets=TTFT_BUCKETS, registry=r)
+        # vLLM exports the time between output steps under both names (the older one kept for dashboards)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between a request's output steps", label,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time between a request's output steps", label,
+                              buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last output token", label,
+                             buckets=E2E_BUCKETS, registry=r)
+
+
 class ServerMetrics:
-    """One registry per server, so that several servers (tests) in one process stay apart."""
+    """One registry per server, so that several servers (tests) in one process stay apart.
+    model_name labels the vllm: series (the server sets it to the name it serves)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = "minivllm"
         r = self.registry
+        self.vllm = VllmNames(r)
         self.running = Gauge("minivllm_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("minivllm_num_requests_waiting", "Requests queued, not yet running", registry=r)
         self.kv_cache_usage = Gauge("minivllm_kv_cache_usage", "Fraction of the KV-cache blocks in use (0-1)",
@@ -75,12 +110,16 @@ class ServerMetrics:
                      prefix_hit_tokens: int = 0, spec: SpecDecodeStats | None = None) -> None:
         """The scheduler's and block manager's state; the prefix-cache totals are the block
         manager's running sums and `spec` the speculator's, which the counters follow."""
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_cache_usage.set(kv_cache_usage)
+        v, m = self.vllm, self.model_name
+        for mine, theirs, value in ((self.running, v.running, running), (self.waiting, v.waiting, waiting),
+                                    (self.kv_cache_usage, v.kv_cache_usage, kv_cache_usage)):
+            mine.set(value)
+            theirs.labels(m).set(value)
         queried, hit = self._prefix_seen
-        self.prefix_cache_queries.inc(prefix_queried_tokens - queried)
-        self.prefix_cache_hits.inc(prefix_hit_tokens - hit)
+        for mine, theirs, new in ((self.prefix_cache_queries, v.prefix_cache_queries, prefix_queried_tokens - queried),
+                                  (self.prefix_cache_hits, v.prefix_cache_hits, prefix_hit_tokens - hit)):
+            mine.inc(new)
+            theirs.labels(m).inc(new)
         self._prefix_seen = (prefix_queried_tokens, prefix_hit_tokens)
         if spec is not None:
             seen = self._spec_seen or SpecDecodeStats(spec.k)
@@ -98,9 +137,11 @@ class ServerMetrics:
     def request_aborted(self, request_id: str) -> None:
         if self._clocks.pop(request_id, None) is not None:
             self.finished.labels("abort").inc()
+            self.vllm.finished.labels(self.model_name, "abort").inc()
 
     def step_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         """Count and time one step's outputs (`now`: time.perf_counter() when they came out)."""
+        v, m = self.vllm, self.model_name
         for output in outputs:
             clock = self._clocks.get(output.request_id)
             if clock is None:
@@ -109,14 +150,21 @@ class ServerMetrics:
             if num_tokens > clock.num_tokens:
                 if clock.num_tokens == 0:
                     self.ttft.observe(now - clock.arrival_time)
+                    v.ttft.labels(m).observe(now - clock.arrival_time)
                     self.prompt_tokens.inc(len(output.prompt_token_ids))
+                    v.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
                 else:
-                    self.itl.observe(now - clock.last_token_time)
+                    for histogram in (self.itl, v.itl.labels(m), v.tpot.labels(m)):
+                        histogram.observe(now - clock.last_token_time)
                 self.generation_tokens.inc(num_tokens - clock.num_tokens)
+                v.generation_tokens.labels(m).inc(num_tokens - clock.num_tokens)
                 clock.num_tokens, clock.last_token_time = num_tokens, now
             if output.finished:
+                reason = output.outputs[0].finish_reason or "unknown"
                 self.e2e.observe(now - clock.arrival_time)
-                self.finished.labels(output.outputs[0].finish_reason or "unknown").inc()
+                v.e2e.labels(m).observe(now - clock.arrival_time)
+                self.finished.labels(reason).inc()
+                v.finished.labels(m, reason).inc()
                 del self._clocks[output.request_id]
 
     def exposition(self) -> bytes:

@@ -2,13 +2,21 @@
 become the engine's SamplingParams (vLLM's names, so the mapping is mostly one to one). What
 goes back (answer bodies, logprobs, errors) is responses.py's.
 
-The models are strict, like the rest of minivllm: a string where a number belongs is refused,
-not converted, and a field OpenAI does not know is refused too (OpenAI answers "Unrecognized
-request argument"). Fields OpenAI has but minivllm does not implement (tools, logit_bias,
-suffix, ...) are simply not declared, so they are refused the same way instead of being ignored.
+The models are strict about values, like the rest of minivllm: a string where a number belongs
+is refused, not converted, and a name nobody defines is refused too (vLLM ignores any unknown
+name with a warning, but a typo such as `max_tokenz` would then silently change nothing). About
+the names OpenAI and vLLM define, they accept what vLLM accepts (issue 36: clients send them):
+- `null` means "not given" for every field (many client libraries send every field they know);
+- OpenAI's fields that change nothing here (`user`, `store`, `metadata`, `service_tier`,
+  `parallel_tool_calls`, vLLM's `guided_decoding_backend`, ...) are ignored, with a logged
+  warning that names them, as vLLM does (`priority` too: the scheduler has no priorities);
+- OpenAI's fields that would change the answer and that minivllm does not implement (`suffix`,
+  `tools`, `logit_bias`, vLLM's `allowed_token_ids` and `bad_words`, a `best_of` above `n`, ...)
+  are a 400 that names them when given a value, never silently dropped.
 Besides OpenAI's fields, the requests take vLLM's extra sampling fields (top_k, min_p,
-min_tokens, repetition_penalty, ignore_eos, stop_token_ids), which the openai client sends
-through `extra_body`.
+min_tokens, repetition_penalty, ignore_eos, stop_token_ids, truncate_prompt_tokens,
+add_special_tokens, request_id, the older guided_* names of structured_outputs), which the
+openai client sends through `extra_body`.
 
 A completion request may carry a batch of prompts (evaluation harnesses send them): each prompt
 becomes one engine request, and choice `prompt_index * n + completion_index` answers it. With
@@ -23,14 +31,59 @@ StructuredOutputsParams, on both endpoints; at most one of the two per request.
 """
 from __future__ import annotations
 
+import logging
+import types
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.structured_outputs import StructuredOutputsParams
 
 STRICT = ConfigDict(extra="forbid", strict=True)
+log = logging.getLogger("minivllm.serving")
+
+# Accepted and ignored, as vLLM ignores them: none changes what the model writes.
+IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "guided_decoding_backend",
+           "guided_whitespace_pattern", "prompt_cache_key", "safety_identifier", "spaces_between_special_tokens")
+# Would change the answer, and minivllm does not implement them: a value is a 400 naming the field.
+UNSUPPORTED = {
+    "suffix": "text after the insertion point (fill-in-the-middle)",
+    "logit_bias": "per-token logit biases",
+    "allowed_token_ids": "a whitelist of tokens (structured_outputs with a regex or choice restricts the output)",
+    "bad_words": "banned word sequences",
+    "cache_salt": "prefix-cache isolation per salt",
+    "tools": "tool calling", "functions": "function calling", "function_call": "function calling",
+    "prediction": "predicted outputs", "audio": "audio output", "modalities": "output modalities",
+    "use_beam_search": "beam search", "length_penalty": "beam search",
+}
+
+
+def allows_none(annotation: Any) -> bool:
+    return annotation is None or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                                  and type(None) in typing.get_args(annotation))
+
+
+class Lenient(BaseModel):
+    """A request body's part: strict about values and unknown names, but `null` means "not
+    given" (where None is not itself a value the field takes: `max_tokens: null` still asks for
+    as many tokens as the context leaves), and a value of the `UNSUPPORTED` fields is refused by name."""
+
+    model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_not_given(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kept = {}
+        for key, value in data.items():
+            declared = cls.model_fields.get(key)
+            if value is None and (declared is None or not allows_none(declared.annotation)):
+                continue  # OpenAI-compatible clients send null for "not given"
+            kept[key] = value
+        return kept
 
 
 class APIError(Exception):
@@ -63,26 +116,26 @@ def check_logprobs(name: str, value: int | None, limit: int, kind: str = "sample
                             f"(the server's --max-logprobs)", param=name)
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT
+class StreamOptions(Lenient):
+    """OpenAI's stream_options."""
+
     include_usage: bool = False  # one more chunk before [DONE], with the token counts
+    continuous_usage_stats: bool = False  # vLLM's: the counts so far in every chunk too
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Lenient):
     """response_format.json_schema: OpenAI's named schema (`strict` is accepted: the grammar
     is always strict)."""
 
-    model_config = STRICT
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # `schema` is a BaseModel method
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Lenient):
     """OpenAI's response_format: "text" (no constraint), "json_object", or "json_schema"."""
 
-    model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -98,10 +151,9 @@ class ResponseFormat(BaseModel):
         return None
 
 
-class StructuredOutputsField(BaseModel):
+class StructuredOutputsField(Lenient):
     """vLLM's extra field `structured_outputs`: StructuredOutputsParams over the wire."""
 
-    model_config = STRICT
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # `json` is a BaseModel method
     regex: str | None = None
     choice: list[str] | None = None
@@ -115,10 +167,9 @@ class StructuredOutputsField(BaseModel):
                                        disable_any_whitespace=self.disable_any_whitespace)
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Lenient):
     """The sampling fields both endpoints share, with OpenAI's defaults."""
 
-    model_config = STRICT
     model: str
     n: int = 1
     temperature: float = 1.0
@@ -138,9 +189,47 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    best_of: int | None = None  # OpenAI's; only best_of == n (the default) is served: no completion is thrown away
+    skip_special_tokens: bool = True  # the detokenizer always leaves special tokens out of the text
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
+    priority: int = 0  # accepted, and ignored: the scheduler serves first come, first served
+    request_id: str | None = Field(default=None, min_length=1)  # names the request (ids and logs)
+    tool_choice: Literal["none"] | None = None  # "none" asks for no tool: what every answer here is
+    # vLLM's older names for structured_outputs' json / regex / choice / grammar
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # chapter 13: OpenAI's response_format, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def names_vllm_accepts(cls, data: Any) -> Any:
+        """Fields that change nothing are dropped with a warning (vLLM's); a value for one this
+        server cannot honour is refused by name."""
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            if key in UNSUPPORTED and value is not None and value != [] and value != {}:
+                raise ValueError(f"`{key}` ({UNSUPPORTED[key]}) is not supported by minivllm")
+        ignored = sorted(k for k, v in data.items() if k in IGNORED and v is not None)
+        if ignored:
+            log.warning("The following fields were present in the request but ignored: %s", ignored)
+        return {k: v for k, v in data.items() if k not in IGNORED and k not in UNSUPPORTED}
+
+    @model_validator(mode="after")
+    def served_as_asked(self) -> "SamplingFields":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} with n={self.n}: minivllm returns every completion it "
+                             f"samples, so best_of must equal n (or be left out)")
+        if not self.skip_special_tokens:
+            raise ValueError("skip_special_tokens=false is not supported: the text always leaves special tokens "
+                             "out (their ids are in the logprobs)")
+        if self.priority:
+            log.warning("priority=%d ignored: the scheduler serves requests first come, first served", self.priority)
+        return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams arguments this request sets (the ones it leaves out keep the
@@ -158,15 +247,28 @@ class SamplingFields(BaseModel):
     def constraint(self) -> StructuredOutputsParams | None:
         """Chapter 13: what response_format or structured_outputs asks the output to fit (a
         ValueError for a malformed one, or for both at once)."""
+        guided = {name: getattr(self, f"guided_{name}") for name in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{name}") is not None}
+        given = [name for name, there in (("response_format", self.response_format is not None
+                                            and self.response_format.type != "text"),
+                                           ("structured_outputs", self.structured_outputs is not None),
+                                           ("guided_*", bool(guided))) if there]
+        if len(given) > 1:
+            raise ValueError(f"give one of response_format, structured_outputs or guided_*, not both "
+                             f"({' and '.join(given)})")
+        if guided:
+            return StructuredOutputsParams(**guided)
         if self.structured_outputs is not None:
-            if self.response_format is not None and self.response_format.type != "text":
-                raise ValueError("give response_format or structured_outputs, not both")
             return self.structured_outputs.constraint()
         return self.response_format.constraint() if self.response_format is not None else None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):
@@ -178,6 +280,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # the prompt comes back before each completion (and its logprobs, with logprobs)
     logprobs: int | None = None  # also return the top-`logprobs` alternatives of every token
     prompt_logprobs: int | None = None  # vLLM's: log-probabilities of the prompt's own tokens
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and the like) around a text prompt
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -232,14 +335,12 @@ class CompletionRequest(SamplingFields):
         return SamplingParams(**kwargs)
 
 
-class TextPart(BaseModel):
-    model_config = STRICT
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -258,6 +359,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None  # the older name of max_completion_tokens
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token; needs logprobs=true
+    add_special_tokens: Literal[False] = False  # vLLM's; the chat template already writes them
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -283,3 +385,27 @@ class ChatCompletionRequest(SamplingFields):
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs_wanted  # 0: the chosen token's log-probability only
         return SamplingParams(**kwargs)
+
+
+class TokenizeRequest(Lenient):
+    """POST /tokenize (vLLM's): a text prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # text prompts only: the chat template writes its own
+    add_generation_prompt: bool = True  # messages only: end where the assistant's answer starts
+    return_token_strs: bool = False  # also each token's string, as the tokenizer spells it
+
+    @model_validator(mode="after")
+    def one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give `prompt` (text) or `messages` (a chat), exactly one of them")
+        return self
+
+
+class DetokenizeRequest(Lenient):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

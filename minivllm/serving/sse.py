@@ -162,10 +162,12 @@ class Chunks:
 
 
 async def stream_events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunks: Chunks,
-                        include_usage: bool) -> AsyncIterator[str]:
+                        include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
     """The whole event stream of one request: the chunks of its prompts' outputs ((prompt
     index, output) pairs, interleaved as they come) as they are produced, the usage chunk if
-    asked for, then [DONE]."""
+    asked for, then [DONE]. continuous_usage (vLLM's stream_options.continuous_usage_stats):
+    every chunk also carries the token counts so far, which load generators such as guidellm
+    read to time each token."""
     for chunk in chunks.opening():
         yield sse(chunk)
     states: dict[int, StreamState] = {}  # per prompt
@@ -173,7 +175,10 @@ async def stream_events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunk
     async for prompt, output in outputs:
         last[prompt] = output
         for delta in new_deltas(output, states.setdefault(prompt, StreamState())):
-            yield sse(chunks.delta(delta, output, prompt))
+            chunk = chunks.delta(delta, output, prompt)
+            if continuous_usage:
+                chunk["usage"] = usage([last[p] for p in sorted(last)])
+            yield sse(chunk)
     if include_usage and last:
         yield sse(chunks.usage([last[p] for p in sorted(last)]))
     yield DONE

@@ -34,8 +34,7 @@ COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # xgrammar's own t
 
 # JSON-schema keywords that xgrammar 0.2 compiles away without enforcing (measured: random walks
 # through its masks wrote outputs that break them), so a schema using them is refused rather than
-# quietly loosened. minLength/maxLength bound a string with a character class that admits raw
-# control characters, which JSON forbids (json.loads refuses them).
+# quietly loosened. (minLength/maxLength alone are rewritten as a pattern: `bounded_strings`.)
 UNENFORCED = {
     "allOf": "every one of several schemas", "oneOf": "exactly one (it is enforced as anyOf: at least one)",
     "not": "not", "if": "if/then/else", "then": "if/then/else", "else": "if/then/else",
@@ -43,8 +42,13 @@ UNENFORCED = {
     "propertyNames": "propertyNames", "maxProperties": "maxProperties",
     "unevaluatedProperties": "unevaluatedProperties",
     "uniqueItems": "uniqueItems", "contains": "contains", "minContains": "minContains", "maxContains": "maxContains",
-    "unevaluatedItems": "unevaluatedItems", "minLength": "string lengths", "maxLength": "string lengths",
+    "unevaluatedItems": "unevaluatedItems", "minLength": "string lengths with a pattern or format",
+    "maxLength": "string lengths with a pattern or format",
 }
+# A JSON string's character that needs no escape: xgrammar 0.2's own minLength/maxLength admit raw
+# control characters, which JSON forbids (json.loads refuses them), so lengths become this pattern.
+PLAIN_CHARACTER = r'[^"\\\x00-\x1f]'
+MAX_STRING_LENGTH = 256
 FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
            "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}  # the ones xgrammar writes
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> subschema
@@ -86,6 +90,30 @@ def unenforced_keyword(schema: Any, where: str = "schema") -> str | None:
     return next(filter(None, (unenforced_keyword(sub, path) for path, sub in subschemas)), None)
 
 
+def bounded_strings(schema: Any) -> Any:
+    """The schema with every minLength/maxLength (without a pattern or format beside them)
+    rewritten as a pattern of that many characters that JSON writes unescaped: the lengths hold
+    exactly, in characters, and the output stays valid JSON. The price: such a string cannot
+    hold a quote, a backslash or a control character (a subset of what the schema allows)."""
+    if isinstance(schema, list):
+        return [bounded_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in ("enum", "const", "default", "examples") else bounded_strings(v) for k, v in schema.items()}
+    low, high = out.get("minLength", 0), out.get("maxLength")
+    lengths = ("minLength" in out or "maxLength" in out) and "pattern" not in out and "format" not in out
+    if lengths and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (low, high or 0)):
+        if high is not None and high < low:
+            raise ValueError(f"a schema's maxLength {high} is below its minLength {low}: no string fits")
+        if max(low, high or 0) > MAX_STRING_LENGTH:
+            raise ValueError(f"a schema's string lengths are at most {MAX_STRING_LENGTH} here, got "
+                             f"{max(low, high or 0)} (the pattern they become grows with them: 2,000 takes seconds "
+                             f"to parse)")
+        out.pop("minLength", None), out.pop("maxLength", None)
+        out["pattern"] = f"^{PLAIN_CHARACTER}{{{low},{'' if high is None else high}}}$"
+    return out
+
+
 def xgrammar_message(err: Exception) -> str:
     """xgrammar's error without its C++ preamble ("[06:47:24] /project/cpp/x.cc:83: ")."""
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(err).strip()).splitlines()[0]
@@ -97,7 +125,9 @@ def parse(constraint: StructuredOutputsParams, any_whitespace: bool) -> Any:
     xgr = import_xgrammar()
     kind, spec = constraint.kind, constraint.spec()
     if kind == "json":
-        unenforced = unenforced_keyword(json.loads(spec))
+        schema = bounded_strings(json.loads(spec))
+        spec = json.dumps(schema)
+        unenforced = unenforced_keyword(schema)
         if unenforced:
             raise ValueError(f"structured_outputs.json uses {unenforced}, which xgrammar does not enforce")
     try:
