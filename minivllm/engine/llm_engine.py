@@ -63,6 +63,11 @@ class LLMEngine:
         config = config or EngineConfig.from_settings(**settings)  # checked before a model is loaded
         if isinstance(model, Decoder):
             self.model = model
+        elif config.tensor_parallel_size > 1:  # chapter 14: each rank reads its own shard; nobody loads the whole
+            from minivllm.distributed.direct_load import unloaded_model
+
+            self.model = unloaded_model(model, device=device, dtype=dtype)
+            tokenizer = tokenizer or load_tokenizer(model)
         else:
             self.model = load_model(model, device=device, dtype=dtype)
             tokenizer = tokenizer or load_tokenizer(model)
