@@ -208,11 +208,5 @@ class DataParallelClient:
         """Stop every core (each as CoreClient.shutdown does)."""
         for task in self._readers:
             task.cancel()
-        for core in self.cores:
-            if core.alive:
-                try:
-                    core.send(Shutdown())
-                except Exception:
-                    pass
-        for core in self.cores:
+        for core in self.cores:  # one after the other: each stops after its current step
             core.shutdown(timeout)
