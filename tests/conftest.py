@@ -24,7 +24,7 @@ torch.set_num_threads(1)  # tiny models gain nothing from a second thread; a sha
 # Engine defaults that a later chapter turned on: chapter -> (module, name, the value before it).
 # Before chapter 11 the engine has no prefix cache, whose exercises a student meets in chapter 11.
 LATER_DEFAULTS = {"ch11": ("minivllm.engine.config", "PREFIX_CACHING_DEFAULT", False),
-                  "ch16": ("minivllm.engine.model_runner", "PERSISTENT_BATCH", False)}
+                  "ch16": ("minivllm.engine.config", "PERSISTENT_BATCH_DEFAULT", False)}
 
 
 def chapters_of(node: pytest.Item | pytest.Collector) -> list[str]:

@@ -334,7 +334,7 @@ def test_without_xgrammar_a_constraint_is_refused_and_the_rest_is_served(embedde
 
 def test_the_engine_imports_xgrammar_only_for_a_constraint():
     code = ("import sys, minivllm\n"
-            "minivllm.engine.model_runner.PERSISTENT_BATCH = False\n"  # the runner as chapter 13 knew it (LATER_DEFAULTS)
+            "minivllm.engine.config.PERSISTENT_BATCH_DEFAULT = False\n"  # the runner as chapter 13 knew it (LATER_DEFAULTS)
             "llm = minivllm.LLM(device='cpu')\n"
             "llm.generate('x = ', minivllm.SamplingParams(max_tokens=2), use_tqdm=False)\n"
             "assert 'xgrammar' not in sys.modules, 'imported for a request without a constraint'\n"

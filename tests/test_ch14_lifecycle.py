@@ -80,9 +80,9 @@ def test_a_worker_that_dies_inside_a_step_makes_it_fail(qwen3_model):
 PROGRAM = """
 import sys, time, torch
 from minivllm import LLM, SamplingParams
-from minivllm.engine import model_runner
+from minivllm.engine import config
 
-model_runner.PERSISTENT_BATCH = False  # the runner as chapter 14 built it (tests/conftest.py, LATER_DEFAULTS)
+config.PERSISTENT_BATCH_DEFAULT = False  # the runner as chapter 14 built it (tests/conftest.py, LATER_DEFAULTS)
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
@@ -155,9 +155,9 @@ def test_no_worker_outlives_its_program(tmp_path, ending):
 WORKER_PROGRAM = """
 import json, sys, torch
 from minivllm import LLM, SamplingParams
-from minivllm.engine import model_runner
+from minivllm.engine import config
 
-model_runner.PERSISTENT_BATCH = False  # the runner as chapter 14 built it (tests/conftest.py, LATER_DEFAULTS)
+config.PERSISTENT_BATCH_DEFAULT = False  # the runner as chapter 14 built it (tests/conftest.py, LATER_DEFAULTS)
 torch.set_num_threads(1)
 llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, block_size=4, num_kv_blocks=32)  # rank 1: serves, exits
 prompts = json.loads(sys.argv[2])

@@ -17,6 +17,7 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     tensor_parallel_size    (1: one process; never chosen for you)       14
     data_parallel_size      (1: one engine core; cores in processes)     14
     async_scheduling        on on a GPU (one process), off on a CPU      16
+    persistent_batch        on: block tables kept in rows across steps   16
 """
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ PREFIX_CACHING_DEFAULT = True
 # for it. vLLM's default is the other way round; measured on the embedded model, free whitespace
 # lets a small model write newlines until max_tokens (see README, chapter 13).
 DISABLE_ANY_WHITESPACE_DEFAULT = True
+# Chapter 16: the runner keeps block tables in rows across steps (engine/input_batch.py). The checks
+# of chapters 7-14 turn this default off, so that they test the runner as those chapters built it;
+# being a setting (not a switch in the runner's module), it travels with the config into a core process.
+PERSISTENT_BATCH_DEFAULT = True
 GPU_KV_FRACTION = 0.8  # of the GPU memory still free once the model is loaded
 CPU_KV_BYTES = 256 * 2**20  # a fixed KV budget on CPU, where "free memory" means little
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -96,6 +101,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # processes the model is split across (chapter 14)
     data_parallel_size: int = 1  # engine cores, each a whole copy of the model (chapter 14; served only)
     async_scheduling: bool | None = None  # chapter 16: plan step N+1 while step N runs on the device
+    persistent_batch: bool | None = None  # chapter 16: block tables in rows kept across steps
 
     def __post_init__(self) -> None:
         for name, minimum, allow_none in (("block_size", 1, False), ("num_kv_blocks", 1, True),
@@ -109,7 +115,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (automatic), got {value!r}")
-        for name in ("enable_prefix_caching", "disable_any_whitespace", "async_scheduling"):
+        for name in ("enable_prefix_caching", "disable_any_whitespace", "async_scheduling", "persistent_batch"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (the default), got {value!r}")
@@ -173,6 +179,7 @@ class EngineConfig:
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = default_async_scheduling(model.device) and self.tensor_parallel_size == 1
+        persistent_batch = PERSISTENT_BATCH_DEFAULT if self.persistent_batch is None else self.persistent_batch
         num_kv_blocks = self.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for_memory(model, self.block_size, self.max_num_seqs, max_model_len)
@@ -181,4 +188,5 @@ class EngineConfig:
                      self.block_size, f"{num_kv_blocks * self.block_size:,}", f"{mib:,.0f}", model.device)
         return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, attention=attention,
                                    cuda_graphs=cuda_graphs, fused_ops=fused_ops, enable_prefix_caching=prefix_caching,
-                                   disable_any_whitespace=no_whitespace, async_scheduling=async_scheduling)
+                                   disable_any_whitespace=no_whitespace, async_scheduling=async_scheduling,
+                                   persistent_batch=persistent_batch)

@@ -33,10 +33,6 @@ from minivllm.engine.async_scheduling import SampledTokens
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.model import Decoder
 
-# Chapter 16's persistent batch. The checks of chapters 7-14 turn it off (tests/conftest.py), so
-# that they test the runner as those chapters built it, and none depends on chapter 16's exercise.
-PERSISTENT_BATCH = True
-
 
 @dataclass
 class StepPlan:
@@ -74,7 +70,7 @@ class ModelRunner:
         # Chapter 16: block tables in rows that persist across steps, written only where they change
         # (speculation's rollback can change them anywhere past its cut: compared whole then).
         self.batch = None
-        if PERSISTENT_BATCH:
+        if config.persistent_batch:
             self.batch = InputBatch(config.max_num_seqs, -(-config.max_model_len // config.block_size),
                                     config.block_size, model.device, rollback=config.speculative_config is not None)
         self.graphs = None
