@@ -1,5 +1,5 @@
 """Issue 36: the server as clients nobody here wrote use it. What vLLM accepts is accepted
-(`null` for "not given", vLLM's extra fields, the older guided_* names); what minivllm cannot
+(`null` for "not given", vLLM's extra fields; the older guided_* names in test_ch13_serving.py); what minivllm cannot
 honour is a 400 that names the field; vLLM's side endpoints round-trip; every error has OpenAI's
 shape, 404 and 405 included; lm-evaluation-harness's `local-completions` requests, sent exactly
 as it sends them, give transformers' loglikelihoods; guidellm's streaming request gets usage in
@@ -87,30 +87,6 @@ def test_vllm_extra_fields_do_what_they_say(server, tokenizer):
     # add_special_tokens=false: the text's tokens alone (this tokenizer adds none, so the same count)
     assert complete(server, add_special_tokens=False)["usage"]["prompt_tokens"] == len(
         tokenizer.encode(PROMPT, add_special_tokens=False))
-
-
-@pytest.mark.ch13
-def test_older_guided_names_are_structured_outputs(server):
-    text = complete(server, guided_choice=["yes", "no"], max_tokens=4)["choices"][0]["text"]
-    assert text in {"yes", "no"}
-    text = complete(server, guided_regex="[0-9]{3}", max_tokens=8)["choices"][0]["text"]
-    assert len(text) == 3 and text.isdigit()
-    value = json.loads(complete(server, guided_json={"type": "object", "properties": {"a": {"type": "integer"}},
-                                                     "required": ["a"]}, max_tokens=24)["choices"][0]["text"])
-    assert isinstance(value["a"], int)
-
-
-@pytest.mark.ch13
-def test_json_schema_string_lengths_hold_and_the_output_stays_json(server):
-    """minLength/maxLength become a pattern of unescaped characters (xgrammar's own admit raw
-    control characters, which JSON forbids): sampled outputs parse and respect the lengths."""
-    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 5},
-                                               "tag": {"type": "string", "maxLength": 1}}, "required": ["name", "tag"]}
-    texts = [complete(server, guided_json=schema, max_tokens=40, temperature=1.0, seed=seed)["choices"][0]["text"]
-             for seed in range(6)]
-    for text in texts:
-        value = json.loads(text)
-        assert 2 <= len(value["name"]) <= 5 and len(value["tag"]) <= 1, text
 
 
 def test_ignored_fields_are_named_in_a_warning(server, caplog):

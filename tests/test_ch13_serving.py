@@ -177,3 +177,29 @@ def test_serve_flag_sets_the_whitespace_default(tiny_checkpoint):
     engine = LLMEngine(str(tiny_checkpoint), **options("--no-disable-any-whitespace", "--device", "cpu"))
     assert engine.config.disable_any_whitespace is False
     assert LLMEngine(str(tiny_checkpoint), **options("--device", "cpu")).config.disable_any_whitespace is True
+
+
+def guided(client, max_tokens: int, **fields) -> str:
+    """A completion of PROMPT under vLLM's older guided_* fields (issue 36), sent as extra fields."""
+    return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=fields.pop(
+        "temperature", 0), extra_body=fields).choices[0].text
+
+
+def test_older_guided_names_are_structured_outputs(client):
+    assert guided(client, 4, guided_choice=["yes", "no"]) in {"yes", "no"}
+    text = guided(client, 8, guided_regex="[0-9]{3}")
+    assert len(text) == 3 and text.isdigit()
+    value = json.loads(guided(client, 24, guided_json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                       "required": ["a"]}))
+    assert isinstance(value["a"], int)
+
+
+def test_json_schema_string_lengths_hold_and_the_output_stays_json(client):
+    """minLength/maxLength become a pattern of unescaped characters (xgrammar's own admit raw
+    control characters, which JSON forbids): sampled outputs parse and respect the lengths."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 5},
+                                               "tag": {"type": "string", "maxLength": 1}}, "required": ["name", "tag"]}
+    for seed in range(6):
+        text = guided(client, 40, guided_json=schema, temperature=1.0, seed=seed)
+        value = json.loads(text)
+        assert 2 <= len(value["name"]) <= 5 and len(value["tag"]) <= 1, text
