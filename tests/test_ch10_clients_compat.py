@@ -11,7 +11,6 @@ wait is bounded.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
