@@ -52,13 +52,14 @@ def test_the_dry_run_goes_through_every_part(tiny_checkpoint, tmp_path):
         assert (out / part["log"]).stat().st_size > 0
     assert {"python", "torch", "triton", "transformers", "device", "tree"} <= summary["machine"].keys()
     figures = {p.stem for p in (out / "figures").glob("*.png")}
-    assert {"09_step_timeline", "09_roofline", "11_shared_prefix", "10_latency_vs_concurrency", "ladder",
-            "12_verify_cost"} <= figures
+    assert {"09_step_timeline", "09_roofline", "11_shared_prefix", "15_latency_vs_users_dry_run", "ladder",
+            "12_verify_graphs_cpu", "16_overlap"} <= figures
     results = {p.stem for p in (out / "benchmarks" / "results").glob("*.json")}
     assert {"gpu_smoke_cpu", "08_triton_kernel_cpu_check", "09_cuda_graphs_cpu", "09_roofline_cpu",
-            "11_prefix_caching_cpu", "10_serving_cpu", "tour_cpu_tiny", "12_speculative_decoding_cpu"} <= results
-    serving = json.loads((out / "benchmarks" / "results" / "10_serving_cpu.json").read_text())
-    assert set(serving["runs"]) == {"continuous", "static"}
+            "11_prefix_caching_cpu", "15_serving_cpu", "tour_cpu_tiny", "12_speculative_decoding_runbook_cpu",
+            "16_async_scheduling_cpu"} <= results
+    serving = json.loads((out / "benchmarks" / "results" / "15_serving_cpu.json").read_text())
+    assert set(serving["runs"]) == {"one process (ch10)", "core process (ch15)"}
     for levels in serving["runs"].values():  # at least 4 requests per user, all answered
         assert all(level["requests"] >= 4 * level["concurrency"] and not level["failed"] for level in levels)
     with tarfile.open(archive) as packed:
@@ -122,9 +123,9 @@ def test_cpu_parts_run_torch_on_one_thread():
 def test_parts_are_chosen_by_name_or_number_and_run_in_priority_order():
     rb = load_runbook()
     names = [p.name for p in rb.PARTS]
-    assert names[:3] == ["smoke", "roofline", "serving"] and names[-1] == "prefix_caching"
+    assert names[:4] == ["smoke", "gpu_checks", "roofline", "serving"] and names[-1] == "prefix_caching"
     assert [p.name for p in rb.parse_parts("tour,1,roofline")] == ["smoke", "roofline", "tour"]
-    for bad in ("0", "10", "smoke,1", "warp_drive", ""):
+    for bad in ("0", str(len(names) + 1), "smoke,1", "warp_drive", ""):
         with pytest.raises(Exception, match="parts are"):
             rb.parse_parts(bad)
     for part in rb.PARTS:  # each part is one thing to run, a command or a function
