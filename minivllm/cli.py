@@ -34,7 +34,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention,
                 cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching,
                 speculative_config=args.speculative_config, disable_any_whitespace=args.disable_any_whitespace,
-                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
+                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
+                persistent_batch=args.persistent_batch)
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,6 +181,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--disable-any-whitespace", action=argparse.BooleanOptionalAction, default=None,
                        help="JSON constraints (response_format, structured_outputs) without free whitespace, unless "
                             "a request says otherwise (default: on; vLLM's default is off)")
+    serve.add_argument("--persistent-batch", action=argparse.BooleanOptionalAction, default=None,
+                       help="keep block tables in rows across steps (chapter 16; default: on)")
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="plan step N+1 while step N runs (chapter 16; default: on on a GPU, off on a CPU)")
     serve.add_argument("--tensor-parallel-size", type=int, default=1,

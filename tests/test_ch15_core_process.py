@@ -278,10 +278,12 @@ def free_port() -> int:
 
 
 def started_cli_server(*args: str) -> tuple[subprocess.Popen, str, int]:
-    """`minivllm serve` (the embedded model) in its own process; (process, url, its core's pid)."""
+    """`minivllm serve` (the embedded model) in its own process; (process, url, its core's pid). The
+    server is chapter 15's: its core runs without chapter 16's persistent batch (a process of its own
+    does not see tests/conftest.py's LATER_DEFAULTS)."""
     port = free_port()
     command = [sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port), "--threads", "1",
-               "--num-kv-blocks", "64", "--max-num-seqs", "8", *args]
+               "--num-kv-blocks", "64", "--max-num-seqs", "8", "--no-persistent-batch", *args]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while True:
