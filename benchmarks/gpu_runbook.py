@@ -277,7 +277,7 @@ def overlap(run: Run) -> list[str]:
 
 def overlap_summary(run: Run) -> dict[str, Any]:
     payload = results(run, f"16_async_scheduling_{run.device}")
-    summary = {"same tokens": payload["sample"].get("same_tokens") if isinstance(payload["sample"], dict) else None}
+    summary = {"same tokens": payload["sample"]["same_tokens"]}
     gpu = payload.get("gpu")
     if gpu:
         summary |= {name: {"step ms": round(gpu[name]["plain_step_ms"], 2),
