@@ -34,8 +34,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, attention=args.attention,
                 cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching,
                 speculative_config=args.speculative_config, disable_any_whitespace=args.disable_any_whitespace,
-                tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
-                persistent_batch=args.persistent_batch)
+                tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                async_scheduling=args.async_scheduling, persistent_batch=args.persistent_batch)
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,6 +54,9 @@ def engine_core(args: argparse.Namespace) -> str:
     """--engine-core, decided: a core process (chapter 15) unless the server needs chapter 10's
     thread (static batches; tensor parallelism, whose ranks the core would have to start)."""
     needs_thread = args.scheduler == "static" or args.tensor_parallel_size > 1
+    if args.data_parallel_size > 1 and (needs_thread or args.engine_core == "thread"):
+        raise SystemExit("minivllm serve: --data-parallel-size > 1 runs engine core processes (continuous batching, "
+                         "one rank each): not with --scheduler static, --tensor-parallel-size > 1 or --engine-core thread")
     if args.engine_core == "process" and needs_thread:
         raise SystemExit("minivllm serve: --engine-core process serves continuous batching on one rank; "
                          "--scheduler static and --tensor-parallel-size > 1 need --engine-core thread")
@@ -187,6 +190,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="plan step N+1 while step N runs (chapter 16; default: on on a GPU, off on a CPU)")
     serve.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="processes to split the model across (chapter 14); under torchrun, its world size")
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine cores, each a whole copy of the model with its own KV cache, behind this one "
+                            "server (chapter 14; core processes)")
     serve.add_argument("--max-waiting", type=int, default=512, help="queued requests beyond which new ones get 503")
     serve.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
                        help="static: batches of --static-batch-size that run until their longest request is done")

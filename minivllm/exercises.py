@@ -149,6 +149,8 @@ EXERCISES: list[Exercise] = [
     Exercise("ch14", "minivllm.distributed.layers", "vocab_parallel_lookup",
              "Exercise 14.3: the vocabulary-parallel embedding",
              "look up only the tokens this rank holds, zeros for the others"),
+    Exercise("ch14", "minivllm.core_process.data_parallel", "choose_core", "Exercise 14.4: the least-loaded router",
+             "which of N engine cores takes a request: the least loaded, unless one nearly as idle holds its prefix"),
     Exercise("ch15", "minivllm.engine.output_processor", "new_delta", "Exercise 15.1: the output processor's delta",
              "what one completion produced since its last DELTA output: new tokens, new text, their logprobs"),
     Exercise("ch16", "minivllm.engine.input_batch", "InputBatch.update", "Exercise 16.1: applying a step's differences",

@@ -4,19 +4,27 @@ nothing at all (the small model that ships inside this package).
 
 Configs are parsed with transformers' own config classes, so both the old
 (`rope_theta` / `rope_scaling`) and the new (`rope_parameters`) styles work.
+
+Weights are read piece by piece (`Weights.piece(name, rows, cols)`): `load_model` asks for every
+parameter whole, and chapter 14's ranks ask only for their slices (distributed/direct_load.py), so
+that no process ever holds more than its share. A checkpoint's pieces come from its safetensors
+files (`safe_open(...).get_slice`, which reads only the bytes asked for); a bare config's random
+weights are a function of (parameter name, block of rows) alone, drawn from a generator seeded
+with both, so a rank that draws only its rows gets exactly the values the whole model has.
 """
 from __future__ import annotations
 
 import json
 import re
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from minivllm.config import ModelConfig
-from minivllm.model import Decoder
+from minivllm.model import Decoder, RotaryEmbedding
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DRAFT_MODEL = Path(__file__).parent / "draft_model"  # same tokenizer, ~1M parameters: speculative decoding
@@ -24,6 +32,7 @@ CONFIGS = Path(__file__).parent / "configs"  # real model shapes, for random-wei
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
 Source = str | Path | Any  # a folder, a hub id, a config .json, or a transformers PreTrainedModel
+RANDOM_ROWS = 64  # random weights are drawn in blocks of this many rows, each block from its own seed
 
 
 def default_device() -> str:
@@ -85,25 +94,20 @@ def load_model(source: Source = None, device: str | None = None, dtype: torch.dt
     """
     device = device or default_device()
     dtype = dtype or default_dtype(device)
-    if source is None:
-        source = DEFAULT_MODEL
-    if isinstance(source, torch.nn.Module):  # an in-memory transformers model
-        config, state = config_from_hf(source.config), source.state_dict()
-        config.eos_token_ids = _generation_eos(source) or config.eos_token_ids
-    else:
-        path = _resolve(source)
-        if path.is_file():  # a bare config: real shape, random weights
-            config, state = read_config(path), None
-        else:
-            config, state = read_config(path / "config.json"), _read_weights(path)
-            config.eos_token_ids = _generation_eos(path) or config.eos_token_ids
-    with torch.device(device):
-        model = Decoder(config)
-    if state is None:
-        _init_random(model, config.init_std)
-    else:
-        _load_state(model, state)
-    return model.to(dtype=dtype).eval().requires_grad_(False)
+    weights = open_weights(source)
+    with torch.device("meta"):  # the skeleton costs nothing: every parameter is filled from `weights` below
+        model = Decoder(weights.config)
+    model.rotary = RotaryEmbedding(weights.config)  # not a parameter: computed, on the CPU, not on meta
+    for module_name, module in model.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            full = f"{module_name}.{name}" if module_name else name
+            if module is model.lm_head and weights.config.tie_word_embeddings:
+                continue  # tied below
+            tensor = weights.piece(full).to(device=device, dtype=dtype)
+            setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
+    if weights.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
 
 
 def load_tokenizer(source: Source = None) -> Any | None:
@@ -159,41 +163,149 @@ def _generation_eos(source: Path | torch.nn.Module) -> list[int]:
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():  # sharded checkpoint: the index maps each tensor to its shard
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / shard for shard in shards]
-    else:
+class Weights:
+    """A model's config and its weights, read piece by piece. Names are the Decoder's
+    (`layers.0.self_attn.q_proj.weight`); rows and cols select along the first and second axis."""
+
+    config: ModelConfig
+
+    def piece(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        """Rows `rows` and columns `cols` (None: all) of parameter `name`, a new tensor."""
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole parameter's shape."""
+        raise NotImplementedError
+
+
+def _select(tensor: Any, rows: slice | None, cols: slice | None) -> Any:
+    """tensor[rows, cols] for a matrix, tensor[rows] for a vector (a safetensors slice or a tensor)."""
+    rows = rows or slice(None)
+    return tensor[rows] if cols is None else tensor[rows, cols]
+
+
+class CheckpointWeights(Weights):
+    """A checkpoint folder's safetensors, opened lazily (a worker process receives this object
+    pickled, and opens the files itself): only the slices asked for are read."""
+
+    def __init__(self, folder: Path, config: ModelConfig):
+        self.folder, self.config = folder, config
+        self.files = self._weight_map(folder)
+        self._open: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_open": {}}
+
+    @staticmethod
+    def _weight_map(folder: Path) -> dict[str, str]:
+        """Each tensor's file, by its name in the checkpoint ("model.layers.0...")."""
+        index = folder / "model.safetensors.index.json"
+        if index.exists():  # sharded checkpoint: the index maps each tensor to its file
+            return dict(json.loads(index.read_text())["weight_map"])
         files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {str(folder)!r}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return state
+        if not files:
+            raise FileNotFoundError(f"no .safetensors weights in {str(folder)!r}")
+        names = {}
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                names.update(dict.fromkeys(f.keys(), file.name))
+        return names
+
+    def _stored_name(self, name: str) -> str:
+        # Hugging Face nests the decoder under "model." (model.layers.0...); the head sits outside.
+        if name == "lm_head.weight":
+            return "model.embed_tokens.weight" if self.config.tie_word_embeddings else name
+        return name if name in self.files else f"model.{name}"
+
+    def _slice(self, name: str) -> Any:
+        stored = self._stored_name(name)
+        if stored not in self.files:
+            raise ValueError(f"checkpoint {str(self.folder)!r} does not match the model: no tensor {stored!r}")
+        file = self.files[stored]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.folder / file), "pt", device="cpu")
+        return self._open[file].get_slice(stored)
+
+    def piece(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        return _select(self._slice(name), rows, cols)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def check(self, expected: list[str]) -> None:
+        """ValueError unless the checkpoint holds exactly the tensors `expected` names (old
+        checkpoints' saved RoPE frequencies aside)."""
+        stored = {self._stored_name(n) for n in expected}
+        missing = sorted(stored - set(self.files))
+        unexpected = sorted(n for n in set(self.files) - stored - {"lm_head.weight"} if "rotary_emb" not in n)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def _load_state(model: Decoder, state: dict[str, torch.Tensor]) -> None:
-    # Hugging Face nests the decoder under "model." (model.layers.0...), the head sits outside.
-    state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    unexpected = [n for n in unexpected if "rotary_emb" not in n]  # old checkpoints saved inv_freq
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+class StateWeights(Weights):
+    """An in-memory transformers model's state dict (already whole in memory)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], config: ModelConfig):
+        self.state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+        if config.tie_word_embeddings:
+            self.state["lm_head.weight"] = self.state["embed_tokens.weight"]
+        self.config = config
+
+    def piece(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        if name not in self.state:
+            raise ValueError(f"the model's state dict does not match: no tensor {name!r}")
+        return _select(self.state[name], rows, cols).clone()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
 
 
-@torch.no_grad()
-def _init_random(model: Decoder, std: float) -> None:
-    """Random weights like transformers' init: N(0, std) matrices, zero biases, unit norms."""
-    generator = torch.Generator(device=model.device).manual_seed(0)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight") or "layernorm" in name:
-            param.fill_(1.0)
-        elif name.endswith("bias"):
-            param.zero_()
-        else:
-            param.normal_(0.0, std, generator=generator)
+class RandomWeights(Weights):
+    """Random weights like transformers' init (N(0, std) matrices, zero biases, unit norms),
+    each block of RANDOM_ROWS rows drawn from a CPU generator seeded by (name, block): the
+    values do not depend on which rows are asked for, the device, or the number of ranks."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        with torch.device("meta"):
+            self.shapes = {n: tuple(p.shape) for n, p in Decoder(config).named_parameters(remove_duplicate=False)}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def piece(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            name = "embed_tokens.weight"
+        shape = self.shapes[name]
+        start, stop, _ = (rows or slice(None)).indices(shape[0])
+        if len(shape) == 1 or name.endswith("norm.weight") or "layernorm" in name or name.endswith("bias"):
+            fill = 1.0 if not name.endswith("bias") else 0.0
+            return _select(torch.full(shape, fill), slice(start, stop), cols)
+        first, last = start // RANDOM_ROWS, -(-stop // RANDOM_ROWS)  # the blocks that cover the rows asked for
+        base = zlib.crc32(name.encode()) << 24
+        blocks = []
+        for block in range(first, last):
+            n = min(RANDOM_ROWS, shape[0] - block * RANDOM_ROWS)
+            generator = torch.Generator().manual_seed(base + block)
+            values = torch.empty(n, shape[1]).normal_(0.0, self.config.init_std, generator=generator)
+            blocks.append(values if cols is None else values[:, cols].clone())  # one block's columns, not the whole row
+        return torch.cat(blocks)[start - first * RANDOM_ROWS:stop - first * RANDOM_ROWS]
+
+
+def open_weights(source: Source = None) -> Weights:
+    """The config and the weights of anything load_model accepts, nothing read yet but the config."""
+    if source is None:
+        source = DEFAULT_MODEL
+    if isinstance(source, torch.nn.Module):  # an in-memory transformers model
+        config = config_from_hf(source.config)
+        config.eos_token_ids = _generation_eos(source) or config.eos_token_ids
+        return StateWeights(source.state_dict(), config)
+    path = _resolve(source)
+    if path.is_file():  # a bare config: real shape, random weights
+        return RandomWeights(read_config(path))
+    config = read_config(path / "config.json")
+    config.eos_token_ids = _generation_eos(path) or config.eos_token_ids
+    weights = CheckpointWeights(path, config)
+    with torch.device("meta"):
+        weights.check([n for n, _ in Decoder(config).named_parameters()])
+    return weights

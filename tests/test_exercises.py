@@ -83,6 +83,8 @@ CONTRACTS = {
                         "Concatenated over the ranks", "ValueError"],
     "row_parallel": ["nn.Linear(in_features // N, out_features)", "columns rank*k .. (rank+1)*k - 1",
                      "rank 0's shard keeps a copy of it", "summed over the ranks", "ValueError"],
+    "choose_core": ["index of the least loaded core", "the lowest index on a tie", "min(loads) + prefix_slack",
+                    "Raises ValueError"],
     "new_delta": ["sent_tokens and sent_chars", "visible_text()", "only ever grows", "empty text and no tokens",
                   "None if none were asked for"],
     "vocab_parallel_lookup": ["[T, hidden]", "shard[input_ids[t] - start]", "zeros otherwise",

@@ -32,6 +32,7 @@ import zmq
 from minivllm.core_process.messages import (Abort, AddRequest, Failed, Ready, Refused, Shutdown, StepOutputs,
                                             StopSequences, encoder, to_core_decoder)
 from minivllm.engine.config import EngineConfig
+from minivllm.distributed.direct_load import unloaded_model
 from minivllm.engine.core import EngineCore
 from minivllm.loader import load_model, load_tokenizer
 from minivllm.machine import environment
@@ -55,7 +56,10 @@ def build_core(model: Any, config: EngineConfig, tokenizer: Any, device: str | N
     """The core for a Decoder (passed in) or a source to load here, in the core's process."""
     if not isinstance(model, Decoder):
         tokenizer = tokenizer or load_tokenizer(model)
-        model = load_model(model, device=device, dtype=dtype)
+        if config.tensor_parallel_size > 1:  # chapter 14: every rank reads its own shard, nobody the whole
+            model = unloaded_model(model, device=device, dtype=dtype)
+        else:
+            model = load_model(model, device=device, dtype=dtype)
     return EngineCore(model, config.resolve(model), tokenizer)
 
 

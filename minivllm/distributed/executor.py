@@ -7,8 +7,10 @@ to the other ranks (messages.py), then runs rank 0's own share, and the collecti
 forward pass bring the ranks together; the logits arrive on rank 0 only.
 
 Where the other ranks come from (group.py):
-- by default rank 0 spawns them on this machine, as vLLM's multiprocessing executor does, and
-  hands them its model's weights through shared memory;
+- by default rank 0 spawns them on this machine, as vLLM's multiprocessing executor does. Given a
+  checkpoint or a config (LLM("path", tensor_parallel_size=N)), every rank, rank 0 too, reads only
+  its own slices (direct_load.py); given a Decoder already in memory, rank 0 hands the other ranks
+  its weights through shared memory and each cuts its shard from them;
 - under torchrun (one node or several) every rank runs the same program: on ranks 1 .. N-1 the
   engine's constructor becomes the worker loop, and the process exits when rank 0's engine stops.
 
@@ -31,8 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm.distributed.group import STARTUP_TIMEOUT, RankGroup, free_port, join, leave, rank_device, torchrun_rank
-from minivllm.distributed.shard import shard_decoder
-from minivllm.distributed.worker import WorkerSpec, serve, share_config, spawned_worker, start_worker
+from minivllm.distributed.worker import WorkerSpec, make_shard, serve, share_config, spawned_worker, start_worker
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.cuda_graphs import CudaGraph
 from minivllm.engine.model_runner import ModelRunner, StepPlan
@@ -192,7 +193,7 @@ class TensorParallelRunner(ModelRunner):
             self.workers.group = group
             share_config(group, config)
             # Rank 0's runner, built as every rank builds its own (worker.build_runner), at the same time.
-            super().__init__(shard_decoder(model, group.comm, group.device), config, graph_class)
+            super().__init__(make_shard(model, group), config, graph_class)
             dist.barrier(group=group.channel.group)  # every rank is ready
         except BaseException as error:
             dead = self.workers.dead()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from minivllm.distributed.direct_load import UnloadedDecoder, load_shard
 from minivllm.distributed.group import STARTUP_TIMEOUT, RankGroup, join, leave, rank_device
 from minivllm.distributed.shard import shard_decoder
 from minivllm.engine.config import EngineConfig
@@ -41,11 +42,19 @@ def share_config(group: RankGroup, config: EngineConfig | None = None) -> Engine
     return box[0]
 
 
+def make_shard(model: Decoder, group: RankGroup) -> Decoder:
+    """This rank's shard: read from the checkpoint directly when `model` is only its skeleton
+    (direct_load.py), cut from the whole model when one was handed over."""
+    if isinstance(model, UnloadedDecoder):
+        return load_shard(model.weights, group.comm, group.device, model.dtype)
+    return shard_decoder(model, group.comm, group.device)
+
+
 def build_runner(model: Decoder, group: RankGroup, config: EngineConfig, graph_class: type) -> ModelRunner:
     """A worker's shard of `model` and a ModelRunner over it, built while rank 0 builds its own
     the same way (TensorParallelRunner.__init__): capturing CUDA graphs runs the forward, whose
     all-reduces every rank must join."""
-    return ModelRunner(shard_decoder(model, group.comm, group.device), config, graph_class)
+    return ModelRunner(make_shard(model, group), config, graph_class)
 
 
 def start_worker(model: Decoder, group: RankGroup, graph_class: type) -> ModelRunner:
@@ -69,7 +78,8 @@ class WorkerSpec:
     rank: int
     world_size: int
     port: int  # rank 0's TCPStore on 127.0.0.1
-    model: Any  # rank 0's Decoder: its weights arrive through shared memory, not as a copy
+    model: Any  # rank 0's Decoder: its weights arrive through shared memory, not as a copy; or an
+    # UnloadedDecoder, which arrives as where the weights are (each rank reads its own slices)
     graph_class: type
     threads: int  # torch CPU threads (rank 0's own number)
     parent_pid: int

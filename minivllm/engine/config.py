@@ -15,6 +15,7 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     speculative_config      off (None); a dict as vLLM's                 12
     disable_any_whitespace  on: JSON constraints without free whitespace 13
     tensor_parallel_size    (1: one process; never chosen for you)       14
+    data_parallel_size      (1: one engine core; cores in processes)     14
     async_scheduling        on on a GPU (one process), off on a CPU      16
     persistent_batch        on: block tables kept in rows across steps   16
 """
@@ -98,13 +99,15 @@ class EngineConfig:
     speculative_config: dict | SpeculativeConfig | None = None  # chapter 12: guess tokens, verify them in one pass
     disable_any_whitespace: bool | None = None  # JSON constraints: no free whitespace (a request may say otherwise)
     tensor_parallel_size: int = 1  # processes the model is split across (chapter 14)
+    data_parallel_size: int = 1  # engine cores, each a whole copy of the model (chapter 14; served only)
     async_scheduling: bool | None = None  # chapter 16: plan step N+1 while step N runs on the device
     persistent_batch: bool | None = None  # chapter 16: block tables in rows kept across steps
 
     def __post_init__(self) -> None:
         for name, minimum, allow_none in (("block_size", 1, False), ("num_kv_blocks", 1, True),
                                           ("max_num_batched_tokens", 1, False), ("max_num_seqs", 1, False),
-                                          ("max_model_len", 2, True), ("tensor_parallel_size", 1, False)):
+                                          ("max_model_len", 2, True), ("tensor_parallel_size", 1, False),
+                                          ("data_parallel_size", 1, False)):
             check_setting(name, getattr(self, name), minimum, allow_none)
         if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
@@ -116,6 +119,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (the default), got {value!r}")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} is not supported: copies of a model that itself needs "
+                             "splitting would be data_parallel_size x tensor_parallel_size processes, each group with "
+                             "its own rendezvous; choose one (splits for a model that does not fit one device, "
+                             "copies for one that does)")
         if self.speculative_config is not None:  # frozen: normalise the user's dict once, here
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
 

@@ -61,8 +61,18 @@ class LLMEngine:
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         config = config or EngineConfig.from_settings(**settings)  # checked before a model is loaded
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size} runs that many engine cores, each in a "
+                             "process of its own, behind one frontend: serve them with `minivllm serve "
+                             "--data-parallel-size N` or serving.async_llm.AsyncLLM; this engine is one core in "
+                             "this process")
         if isinstance(model, Decoder):
             self.model = model
+        elif config.tensor_parallel_size > 1:  # chapter 14: each rank reads its own shard; nobody loads the whole
+            from minivllm.distributed.direct_load import unloaded_model
+
+            self.model = unloaded_model(model, device=device, dtype=dtype)
+            tokenizer = tokenizer or load_tokenizer(model)
         else:
             self.model = load_model(model, device=device, dtype=dtype)
             tokenizer = tokenizer or load_tokenizer(model)

@@ -156,3 +156,22 @@ def plot_tp_cost(grids: Sequence[dict[str, np.ndarray]], links: Sequence[Any], m
     bar.set_label("decode step speed-up over one GPU", fontsize=8)
     fig.suptitle(title, fontsize=9.5, y=0.995)
     return fig
+
+
+def plot_copies_or_splits(rows: Sequence[dict[str, Any]], title: str) -> plt.Figure:
+    """Output tokens per second of each layout (one engine, copies, splits) on the same workload,
+    one bar each, with the processes and CPU threads each used. rows: bench.data_parallel results."""
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    names = [row["layout"] for row in rows]
+    rates = [row["output_tokens_per_s"] for row in rows]
+    colors = ["#718096" if row["processes"] == 1 else rank_color(0 if "copies" in row["layout"] else 1) for row in rows]
+    bars = ax.barh(names[::-1], rates[::-1], color=colors[::-1])
+    for bar, row in zip(bars, rows[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {row['output_tokens_per_s']:,.0f} tok/s  ({row['processes']} process{'es' * (row['processes'] > 1)},"
+                f" {row['threads_each']} thread{'s' * (row['threads_each'] > 1)} each)", va="center", fontsize=8)
+    ax.set_xlabel("output tokens per second (higher is better)")
+    ax.set_xlim(0, max(rates) * 1.6)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig

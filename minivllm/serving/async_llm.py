@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from minivllm.core_process.client import CoreClient, CoreDied
+from minivllm.core_process.data_parallel import DataParallelClient
 from minivllm.core_process.messages import Abort, AddRequest, Failed, Refused, StepOutputs, StopSequences
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.input_processor import InputProcessor, Prompt
@@ -53,7 +54,8 @@ class AsyncLLM:
                  metrics: ServerMetrics | None = None, on_core_death: Callable[[], None] | None = None):
         if not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be an integer >= 1, got {max_waiting!r}")
-        self.client = CoreClient(model, config, tokenizer, device, dtype, threads)
+        client = DataParallelClient if config.data_parallel_size > 1 else CoreClient  # chapter 14: N copies
+        self.client = client(model, config, tokenizer, device, dtype, threads)
         self.tokenizer, self.max_waiting = tokenizer, max_waiting
         self.metrics = metrics or ServerMetrics()
         self.on_core_death = on_core_death
