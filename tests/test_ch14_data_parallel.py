@@ -91,6 +91,9 @@ def expected(engine) -> list:
 
 
 def two_cores(engine: LLMEngine) -> AsyncLLM:
+    # The router runs inside the frontend, where a student's unfinished choose_core would surface as
+    # a 500 or a missing stream; asked here first, the check fails naming exercise 14.4.
+    choose_core([1, 0], [0, 1])
     config = dataclasses.replace(engine.config, data_parallel_size=2)
     return AsyncLLM(engine.model, config, engine.tokenizer, threads=1)
 
