@@ -8,12 +8,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import run_script
 
-from minivllm.bench.tp_cost import (LINKS, Link, Shape, allreduce_bytes_per_token_per_layer, decode_step,
-                                    model_shapes, ring_allreduce_seconds, speedup_grid)
+from minivllm.bench.tp_cost import (GPU, LINKS, Link, Shape, allreduce_bytes_per_token_per_layer, copies_or_splits,
+                                    copies_step, decode_step, model_shapes, ring_allreduce_seconds, speedup_grid)
 from minivllm.loader import CONFIGS, read_config
 
 pytestmark = pytest.mark.ch14
@@ -28,7 +29,8 @@ def payload(tiny_checkpoint, tmp_path_factory):
     args = ["--model", str(tiny_checkpoint), "--device", "cpu", "--sizes", ",".join(map(str, SIZES)),
             "--requests", str(REQUESTS), "--prompt", str(PROMPT), "--output", str(OUTPUT), "--sample-tokens", "4"]
     return run_script(SCRIPT, args, folder, "14_tensor_parallelism_cpu",  # one run for all the checks below
-                      figures=("14_sharded_layer", "14_step_split", "14_tp_cost"))
+                      figures=("14_sharded_layer", "14_step_split", "14_tp_cost",
+                               "14_copies_or_splits_cost"))
 
 
 def test_every_size_gives_the_same_tokens(payload):
@@ -95,3 +97,54 @@ def test_the_cost_model_covers_the_models_and_links_it_names():
     assert [link.ranks for link in LINKS] == [8, 8, 16, 16] and all(link.source for link in LINKS)
     grid = speedup_grid(shapes, [1, 1024], LINKS[0])
     assert not grid["fits_one"][-1].any() and math.isnan(grid["speedup"][-1, 0]), "405B in bf16 fits no 8 GPUs"
+
+
+def test_one_copy_is_one_gpu_is_a_split_in_one():
+    """At N = 1 copies, one GPU and a one-way split are the same step, fitting or not."""
+    shapes, batches = model_shapes(), [1, 3, 64, 1024]
+    grid = copies_or_splits(shapes, batches, Link("one", 1, 100e9, 10e-6, ""))
+    for key in ("tokens_per_second", "step_seconds"):
+        one = grid["one GPU"][key]
+        assert np.isnan(one).any() and not np.isnan(one).all(), "some cells fit, some do not"
+        np.testing.assert_array_equal(grid["copies"][key], one)
+        np.testing.assert_array_equal(grid["split"][key], one)
+
+
+@pytest.mark.parametrize("copies", [2, 8])
+def test_n_copies_serve_n_times_one_gpu_at_a_nth_of_the_batch(copies):
+    shape, link = model_shapes()[0], Link("test", copies, 100e9, 10e-6, "")  # link.ranks copies
+    for per_copy in (1, 16, 100):
+        batch = copies * per_copy
+        alone = decode_step(shape, per_copy, 1, link)
+        grid = copies_or_splits([shape], [batch, per_copy], link)
+        assert grid["copies"]["tokens_per_second"][0, 0] == pytest.approx(copies * per_copy / alone["seconds"])
+        assert grid["copies"]["tokens_per_second"][0, 0] == pytest.approx(
+            copies * grid["one GPU"]["tokens_per_second"][0, 1])
+        assert grid["copies"]["step_seconds"][0, 0] == pytest.approx(alone["seconds"]), "a copy keeps one GPU's step"
+    # An uneven batch waits for the busiest copy: 9 sequences on 8 copies take a 2-sequence step.
+    assert copies_step(shape, copies + 1, copies)["seconds"] == decode_step(shape, 2, 1, link)["seconds"]
+
+
+def test_a_copy_holds_all_the_weights_a_split_only_its_share():
+    llama7 = Shape.of("7b", read_config(CONFIGS / "llama-2-7b.json"))
+    step = copies_step(llama7, 64, 8)
+    assert step["memory"] == pytest.approx(llama7.parameters * 2 + 8 * 1024 * llama7.kv_bytes_per_token)
+    # Weights of 100 GB in bf16: no GPU of 80 GB holds a copy, 8 GPUs hold 12.5 GB each of a split.
+    big = Shape("big", 50_000_000_000, llama7.hidden, llama7.layers, llama7.vocab, llama7.kv_heads,
+                llama7.kv_bytes_per_token)
+    assert big.parameters * 2 > GPU.memory > big.parameters * 2 / 8
+    grid = copies_or_splits([big], [1, 8], LINKS[0])
+    for way in ("one GPU", "copies"):
+        assert np.isnan(grid[way]["tokens_per_second"]).all() and np.isnan(grid[way]["step_seconds"]).all(), way
+    assert np.isfinite(grid["split"]["tokens_per_second"]).all() and (grid["split"]["tokens_per_second"] > 0).all()
+
+
+def test_copies_never_communicate():
+    """The link prices the split's all-reduces; the copies' cost does not change with it."""
+    shapes, batches = model_shapes()[:4], [1, 16, 256]
+    fast = copies_or_splits(shapes, batches, Link("fast", 8, 900e9, 1e-6, ""))
+    slow = copies_or_splits(shapes, batches, Link("slow", 8, 1e9, 1e-3, ""))
+    for way in ("one GPU", "copies"):
+        np.testing.assert_array_equal(fast[way]["tokens_per_second"], slow[way]["tokens_per_second"])
+    assert (fast["split"]["step_seconds"] < slow["split"]["step_seconds"]).all()
+    assert all(copies_step(s, b, 8)["comm"] == 0 for s in shapes for b in batches)

@@ -20,9 +20,20 @@ The numbers are a datasheet's, not measurements (`LINKS`, `GPU`); the lesson is 
 All-reduce bytes per token per layer = 2 all-reduces x hidden x bytes per element: 16 KiB for
 Llama-2-7B in bf16 (hidden 4,096), 32 KiB for a 70B (hidden 8,192), against 3.35 TB/s of HBM
 that each rank spends reading its weights.
+
+Copies or splits? N whole copies of the model (data parallelism: one engine per GPU, a request
+goes to one copy) never talk inside a step: each runs one GPU's decode step on ceil(B/N) of the
+B sequences, and serves B / t_step tokens per second. Against N splits, a copy pays no
+all-reduce but reads the *whole* weights, so N copies read them N times per step where N splits
+read them once. Copies win throughput where the all-reduces cost more than those extra weight
+reads (small models, slow links, large batches); splits win where weight reads dominate (large
+models, small batches). A copy keeps one GPU's step time at B/N sequences, a split shortens the
+step: splits win latency wherever their all-reduces are cheap. And a copy must hold the whole
+weights and its KV cache in one GPU: where it does not, only splitting serves the model.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +77,9 @@ LINKS = [
     Link("2 nodes x 8, 100 Gb/s Ethernet", 16, 12.5e9, 60e-6,
          "one 100 Gb/s Ethernet port per node: 12.5 GB/s between the nodes"),
 ]
+
+# decode_step on one GPU never touches its link; copies are given this one to say so.
+NO_LINK = Link("no link", 1, math.inf, 0.0, "a single GPU: nothing to talk to")
 
 
 @dataclass(frozen=True)
@@ -131,6 +145,38 @@ def speedup_grid(shapes: list[Shape], batches: list[int], link: Link, context: i
                 speedup[i, j] = one["seconds"] / many["seconds"]
                 comm_share[i, j] = many["comm"] / many["seconds"]
     return dict(speedup=speedup, fits_one=fits_one, comm_share=comm_share)
+
+
+def tokens_per_second(step: dict[str, float], batch: int, gpu: Gpu = GPU) -> float:
+    """`batch` new tokens per step of step["seconds"]; NaN where one GPU's share does not fit its memory."""
+    return batch / step["seconds"] if step["memory"] <= gpu.memory else math.nan
+
+
+def copies_step(shape: Shape, batch: int, copies: int, context: int = 1024, element: int = 2,
+                gpu: Gpu = GPU) -> dict[str, float]:
+    """One decode step of `batch` sequences spread over `copies` whole copies of the model, one GPU
+    each: the busiest copy's one-GPU step on ceil(batch / copies) sequences (the others finish no
+    later), and the memory one copy needs: all the weights plus its sequences' KV cache."""
+    return decode_step(shape, -(-batch // copies), 1, NO_LINK, context, element, gpu)
+
+
+def copies_or_splits(shapes: list[Shape], batches: list[int], link: Link, context: int = 1024,
+                     gpu: Gpu = GPU) -> dict[str, dict[str, np.ndarray]]:
+    """For every (shape, batch), three ways to serve `batch` sequences: "one GPU", link.ranks
+    "copies" and a link.ranks-way "split" over `link`. Each gives "tokens_per_second" and
+    "step_seconds" (a token's latency), NaN where the model and its KV cache do not fit."""
+    grid = {way: {key: np.full((len(shapes), len(batches)), np.nan) for key in ("tokens_per_second", "step_seconds")}
+            for way in ("one GPU", "copies", "split")}
+    for i, shape in enumerate(shapes):
+        for j, batch in enumerate(batches):
+            steps = {"one GPU": decode_step(shape, batch, 1, NO_LINK, context, gpu=gpu),
+                     "copies": copies_step(shape, batch, link.ranks, context, gpu=gpu),
+                     "split": decode_step(shape, batch, link.ranks, link, context, gpu=gpu)}
+            for way, step in steps.items():
+                rate = tokens_per_second(step, batch, gpu)
+                grid[way]["tokens_per_second"][i, j] = rate
+                grid[way]["step_seconds"][i, j] = step["seconds"] if not math.isnan(rate) else math.nan
+    return grid
 
 
 # Larger shapes than minivllm/configs/ ships, from Meta's published configurations: vocabulary,
