@@ -2,6 +2,7 @@
 
     python chapters/14_tensor_parallelism.py [--model SRC] [--device cpu|cuda] [--sizes 1,2,4] [--threads 1]
                                              [--requests 16] [--prompt 32] [--output 32] [--repeats 1]
+                                             [--cost-only]
 
 - a sample: the same prompts at tensor_parallel_size 1 and 2, and the same tokens;
 - one layer's weights as each of 2 ranks holds them, found in the real shards, with the two
@@ -9,8 +10,11 @@
 - a step's time split into compute and communication at each size (gloo on a CPU), the same
   requests side by side in one run (figures/14_step_split.png);
 - the cost model: all-reduce bytes per token per layer against NVLink, PCIe and Ethernet, and
-  where tensor parallelism pays for 8 GPUs and for 2 nodes, on paper (figures/14_tp_cost.png).
-JSON: benchmarks/results/14_tensor_parallelism_<device>.json. The CPU benchmark on a larger shape
+  where tensor parallelism pays for 8 GPUs and for 2 nodes, on paper (figures/14_tp_cost.png);
+- copies or splits on paper: 8 whole copies against an 8-way split and one GPU, tokens per second
+  and ms per step over the batch (figures/14_copies_or_splits_cost.png).
+JSON: benchmarks/results/14_tensor_parallelism_<device>.json; with --cost-only, only the two cost
+models (no model is loaded, a second or two): benchmarks/results/14_cost_model.json. The CPU benchmark on a larger shape
 is benchmarks/tensor_parallel_cpu.py.
 """
 from __future__ import annotations
@@ -25,15 +29,18 @@ from rich.table import Table
 from minivllm import LLM, SamplingParams, load_tokenizer, plots
 from minivllm.bench.harness import chapter_parser, console, format_bytes, load_for_chapter, save_results
 from minivllm.bench.tensor_parallel import compare_sizes, fixed_workload, shard_layout
-from minivllm.bench.tp_cost import GPU, LINKS, allreduce_bytes_per_token_per_layer, model_shapes, speedup_grid
+from minivllm.bench.tp_cost import (GPU, LINKS, allreduce_bytes_per_token_per_layer, copies_or_splits, model_shapes,
+                                    speedup_grid)
 from minivllm.distributed.shard import check_shardable
 from minivllm.machine import device_name, environment
-from minivllm.plots.parallel import plot_sharded_layer, plot_step_split, plot_tp_cost
+from minivllm.plots.parallel import plot_copies_or_splits_cost, plot_sharded_layer, plot_step_split, plot_tp_cost
 from minivllm.text import DEMO_PROMPTS, encode_or_random, show_sample
 
 ENGINE = dict(block_size=16, num_kv_blocks=256, enable_prefix_caching=False)  # every request fits: no preemption
 BATCHES = [1, 4, 16, 64, 256, 1024]
 CONTEXT = 1024  # tokens each sequence holds in the cost model's decode steps
+CURVE_BATCHES = [2 ** k for k in range(11)]  # 1 ... 1,024: the copies-or-splits curves
+TABLE_BATCHES = [1, 64, 256]
 
 
 def splittable(model, sizes: list[int]) -> list[int]:
@@ -135,6 +142,59 @@ def cost_model() -> tuple[dict, plots.Figure]:
                 pays=verdicts), fig
 
 
+def cell(grid: dict, way: str, key: str, shape: int, batch: int, scale: float = 1.0) -> str:
+    """One number of the copies-or-splits table (thousands as k, to fit a terminal), or "—" where
+    that way does not fit."""
+    value = grid[way][key][shape, CURVE_BATCHES.index(batch)] * scale
+    if np.isnan(value):
+        return "—"
+    return f"{value / 1e3:.0f}k" if value >= 1e4 else f"{value / 1e3:.1f}k" if value >= 1e3 else f"{value:.3g}"
+
+
+def copies_against_splits() -> tuple[dict, plots.Figure]:
+    """8 whole copies against an 8-way split inside one node (NVLink, PCIe) and one GPU, on paper."""
+    shapes = model_shapes()
+    links = [link for link in LINKS if link.ranks == 8]
+    n = links[0].ranks
+    grids = [copies_or_splits(shapes, CURVE_BATCHES, link, CONTEXT) for link in links]
+    table = Table(title=f"copies or splits on paper, {GPU.name}, B sequences of {CONTEXT:,} tokens, bf16: tokens/s, "
+                        f"then ms per step (a token's latency); — does not fit")
+    splits = [f"split {link.name.split(', ')[-1].split()[0]}" for link in links]
+    table.add_column("model", no_wrap=True)
+    for column in ("B", "1 GPU", f"{n} copies", *splits, "ms: copies", splits[0]):
+        table.add_column(column, justify="right")
+    for i, shape in enumerate(shapes):
+        for b in TABLE_BATCHES:
+            table.add_row(shape.name if b == TABLE_BATCHES[0] else "", f"{b:,}",
+                          *(cell(grids[0], way, "tokens_per_second", i, b) for way in ("one GPU", "copies")),
+                          *(cell(grid, "split", "tokens_per_second", i, b) for grid in grids),
+                          cell(grids[0], "copies", "step_seconds", i, b, 1e3),
+                          cell(grids[0], "split", "step_seconds", i, b, 1e3))
+    console.print(table)
+    # A model that fits no N GPUs even split (405B) has nothing to draw: the title names it instead.
+    fits = [i for i in range(len(shapes)) if not np.isnan(grids[0]["split"]["tokens_per_second"][i]).all()]
+    left_out = [f"{s.name} ({s.parameters * 2 / 1e9:,.0f} GB in bf16)" for i, s in enumerate(shapes) if i not in fits]
+    title = (f"Copies or splits on paper: {n} {GPU.name} as {n} whole copies or one {n}-way split; one decode step "
+             f"of B sequences of {CONTEXT:,} tokens, bf16; copies never communicate"
+             + (f"\nleft out: {', '.join(left_out)}, which fits no {n} of them" if left_out else ""))
+    drawn = [{way: {key: values[fits] for key, values in grid[way].items()} for way in grid} for grid in grids]
+    fig = plot_copies_or_splits_cost(drawn, links, [shapes[i].name for i in fits], CURVE_BATCHES, title)
+    return dict(gpu=vars(GPU), context=CONTEXT, batches=CURVE_BATCHES, shapes=[s.name for s in shapes],
+                links=[vars(link) for link in links],
+                ways={link.name: {way: {key: values.tolist() for key, values in grid[way].items()} for way in grid}
+                      for link, grid in zip(links, grids)}), fig
+
+
+def cost_models() -> dict:
+    """Both cost models: their tables, figures and numbers (no model is loaded)."""
+    facts = {}
+    facts["cost_model"], fig = cost_model()
+    console.print(f"saved {plots.save(fig, '14_tp_cost')}")
+    facts["copies_or_splits_cost"], fig = copies_against_splits()
+    console.print(f"saved {plots.save(fig, '14_copies_or_splits_cost')}")
+    return facts
+
+
 def main() -> None:
     parser = chapter_parser(__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,2,4", help="tensor-parallel sizes to compare, e.g. 1,2,4")
@@ -144,6 +204,8 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=32, help="output tokens of each request")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per size (the median is kept)")
     parser.add_argument("--sample-tokens", type=int, default=32, help="tokens of the sample")
+    parser.add_argument("--cost-only", action="store_true",
+                        help="only the cost models on paper (tables, figures, 14_cost_model.json); no model runs")
     args = parser.parse_args()
     try:
         args.sizes = [int(n) for n in args.sizes.split(",")]
@@ -154,6 +216,11 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if any(n < 1 for n in args.sizes):
         parser.error(f"--sizes must all be at least 1, got {args.sizes}")
+    if args.cost_only:
+        start = time.perf_counter()
+        path = save_results("14_cost_model", dict(created=time.strftime("%Y-%m-%d %H:%M:%S"), **cost_models()))
+        console.print(f"saved {path} ({time.perf_counter() - start:.0f} s)")
+        return
     torch.set_num_threads(args.threads)  # each rank copies rank 0's number of threads
     model = load_for_chapter(args)
     args.sizes = splittable(model, args.sizes)
@@ -167,8 +234,7 @@ def main() -> None:
     suffix = "" if model.device.type == "cpu" else f"_{model.device.type}"
     facts["step_split"], fig = step_split(model, args, label)
     console.print(f"saved {plots.save(fig, '14_step_split' + suffix)}")
-    facts["cost_model"], fig = cost_model()
-    console.print(f"saved {plots.save(fig, '14_tp_cost')}")
+    facts.update(cost_models())
     path = save_results(f"14_tensor_parallelism_{model.device.type}", dict(
         environment=environment(model), created=time.strftime("%Y-%m-%d %H:%M:%S"), engine=ENGINE,
         threads_per_rank=args.threads, load_average=list(os.getloadavg()), seconds=time.perf_counter() - start,

@@ -1,6 +1,6 @@
 """Tensor parallelism as pictures (chapter 14): one layer's weights cut across ranks with its
 two all-reduces, a step's time split into compute and communication, and the cost model's
-verdict on where splitting a model across GPUs pays."""
+verdict on where splitting a model across GPUs pays, and where whole copies serve more."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 RANK_COLORS = ["#2b6cb0", "#dd6b20", "#38a169", "#805ad5", "#d53f8c", "#319795", "#b7791f", "#718096"]
 COMPUTE, COMM = "#4a5568", "#e53e3e"
@@ -174,4 +175,58 @@ def plot_copies_or_splits(rows: Sequence[dict[str, Any]], title: str) -> plt.Fig
     ax.set_xlim(0, max(rates) * 1.6)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def _first_missing(batches: Sequence[int], values: np.ndarray) -> str:
+    """Where a series stops fitting: "" (it always fits), "at any batch" or "from B = b"."""
+    missing = [b for b, v in zip(batches, values) if np.isnan(v)]
+    if not missing:
+        return ""
+    return "at any batch" if len(missing) == len(batches) else f"from B = {missing[0]:,}"
+
+
+def plot_copies_or_splits_cost(grids: Sequence[dict[str, dict[str, np.ndarray]]], links: Sequence[Any],
+                               model_names: Sequence[str], batches: Sequence[int], title: str) -> plt.Figure:
+    """The cost model's copies against splits, one column per model: tokens per second (top) and
+    ms per decode step, a token's latency (bottom), against the batch, for one GPU, N copies and an
+    N-way split over each link (solid, then dashed). A line stops where its GPUs cannot hold the
+    model and its KV cache; the panel says from which batch. grids[i]: bench.tp_cost.copies_or_splits
+    for links[i], all of the same N (one GPU and the copies are the same in every grid)."""
+    n = links[0].ranks
+    fig, axes = plt.subplots(2, len(model_names), figsize=(3.3 * len(model_names), 7.2), squeeze=False,
+                             sharex=True)
+    styles = ["-", "--", ":", "-."]
+    for col, name in enumerate(model_names):
+        series = [("one GPU", "#718096", "-", grids[0]["one GPU"]),
+                  (f"{n} copies", rank_color(0), "-", grids[0]["copies"])]
+        series += [(f"{n}-way split, {link.name.split(', ')[-1]}", rank_color(1), style, grid["split"])
+                   for link, grid, style in zip(links, grids, styles)]
+        for row, (key, scale, label) in enumerate([("tokens_per_second", 1.0, "tokens per second"),
+                                                   ("step_seconds", 1e3, "ms per step (a token's latency)")]):
+            ax = axes[row, col]
+            for way, color, style, values in series:
+                ax.plot(batches, values[key][col] * scale, style, color=color, marker="o", markersize=3, label=way)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(batches[::2], [f"{b:,}" for b in batches[::2]])
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.grid(True, which="major", alpha=0.3)
+            ax.tick_params(labelsize=7.5)
+            if col == 0:
+                ax.set_ylabel(label, fontsize=8.5)
+            if row == 1:
+                ax.set_xlabel("sequences decoding together (batch B)", fontsize=8)
+        axes[0, col].set_title(name, fontsize=9.5)
+        # memory does not depend on the link: the first split stands for all of them
+        notes = [(f"{way.split(',')[0]}: does not fit {where}", color) for way, color, _, values in series[:3]
+                 if (where := _first_missing(batches, values["tokens_per_second"][col]))]
+        for k, (note, color) in enumerate(notes):  # bottom right: the curves rise to the right, above it
+            axes[0, col].text(0.97, 0.03 + 0.075 * k, note, transform=axes[0, col].transAxes, fontsize=7,
+                              color=color, ha="right", va="bottom")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8.5, frameon=False)
+    fig.suptitle(title, fontsize=9.5)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
     return fig
