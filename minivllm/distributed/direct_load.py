@@ -55,7 +55,7 @@ class UnloadedDecoder(Decoder):
 def unloaded_model(source, device: str | None = None, dtype: torch.dtype | None = None) -> UnloadedDecoder:
     """The model `source` names (anything load_model accepts), its weights left where they are."""
     device = device or default_device()
-    return UnloadedDecoder(open_weights(source), device, dtype or default_dtype(device))
+    return UnloadedDecoder(open_weights(source, device), device, dtype or default_dtype(device))
 
 
 def _param(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
