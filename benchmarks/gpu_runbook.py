@@ -251,6 +251,22 @@ def serving(run: Run) -> None:
                    "15_latency_vs_users" + ("_gpu" if run.gpu else "_dry_run"))
 
 
+def data_parallel(run: Run) -> None:
+    """Chapter 14's copies where only one GPU is lent: one core process against two copies of the
+    model, each a core process with half the KV cache, taking turns on the same GPU (on the CPU
+    dry run, on the same threads). Copies pay on one device only where one core leaves it idle."""
+    one = ["--num-kv-blocks", "16384"] if run.gpu else ["--threads", "1"]
+    two = ["--num-kv-blocks", "8192"] if run.gpu else ["--threads", "1"]
+    serve_and_load(run, f"14_data_parallel_{'gpu' if run.gpu else 'cpu'}",
+                   {"one core (ch15)": one, "two copies (ch14)": [*two, "--data-parallel-size", "2"]},
+                   [32, 128, 256] if run.gpu else [2], "ladder_gpu" if run.gpu else "tiny",
+                   "14_copies_on_one_device" + ("_gpu" if run.gpu else "_dry_run"))
+
+
+def data_parallel_summary(run: Run) -> dict[str, Any]:
+    return levels_summary(f"14_data_parallel_{'gpu' if run.gpu else 'cpu'}")(run)
+
+
 def levels_summary(results_name: str) -> Callable[[Run], dict[str, Any]]:
     """The headline of a serve_and_load part: by server, the levels where the SLO held, TTFT p99
     and total tok/s by users."""
@@ -399,6 +415,8 @@ PARTS: list[Part] = [  # in priority order: the budget runs out at the end of th
     Part("roofline", 130, "nano workload against its memory floor", roofline_summary, command=roofline),
     Part("serving", 200, "one-process vs core-process server over HTTP, 1-256 users", serving_summary,
          function=serving),
+    Part("data_parallel", 150, "one core against two copies sharing the device, over HTTP, 32-256 users",
+         data_parallel_summary, function=data_parallel),
     Part("overlap", 60, "a decode step at batch 256, synchronous vs async scheduling", overlap_summary,
          command=overlap),
     Part("speculation", 60, "verify step against decode step", speculation_summary, command=speculation),

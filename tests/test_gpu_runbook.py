@@ -53,15 +53,18 @@ def test_the_dry_run_goes_through_every_part(tiny_checkpoint, tmp_path):
     assert {"python", "torch", "triton", "transformers", "device", "tree"} <= summary["machine"].keys()
     figures = {p.stem for p in (out / "figures").glob("*.png")}
     assert {"09_step_timeline", "09_roofline", "11_shared_prefix", "15_latency_vs_users_dry_run", "ladder",
+            "14_copies_on_one_device_dry_run",
             "12_verify_graphs_cpu", "16_overlap"} <= figures
     results = {p.stem for p in (out / "benchmarks" / "results").glob("*.json")}
     assert {"gpu_smoke_cpu", "08_triton_kernel_cpu_check", "09_cuda_graphs_cpu", "09_roofline_cpu",
             "11_prefix_caching_cpu", "15_serving_cpu", "tour_cpu_tiny", "12_speculative_decoding_runbook_cpu",
-            "16_async_scheduling_cpu"} <= results
-    serving = json.loads((out / "benchmarks" / "results" / "15_serving_cpu.json").read_text())
-    assert set(serving["runs"]) == {"one process (ch10)", "core process (ch15)"}
-    for levels in serving["runs"].values():  # at least 4 requests per user, all answered
-        assert all(level["requests"] >= 4 * level["concurrency"] and not level["failed"] for level in levels)
+            "16_async_scheduling_cpu", "14_data_parallel_cpu"} <= results
+    for name, servers in [("15_serving_cpu", {"one process (ch10)", "core process (ch15)"}),
+                          ("14_data_parallel_cpu", {"one core (ch15)", "two copies (ch14)"})]:
+        serving = json.loads((out / "benchmarks" / "results" / f"{name}.json").read_text())
+        assert set(serving["runs"]) == servers
+        for levels in serving["runs"].values():  # at least 4 requests per user, all answered
+            assert all(level["requests"] >= 4 * level["concurrency"] and not level["failed"] for level in levels)
     with tarfile.open(archive) as packed:
         names = packed.getnames()
     assert "run/runbook.json" in names and "run/figures/09_roofline.png" in names
