@@ -1,11 +1,11 @@
 """minivllm: a vLLM-style LLM inference engine, built one idea per chapter."""
 from minivllm.config import ModelConfig
 from minivllm.engine.config import EngineConfig
-from minivllm.engine.llm import LLM
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.outputs import CompletionOutput, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.structured_outputs import StructuredOutputsParams
+from minivllm.llm import LLM
 from minivllm.loader import CONFIGS, DEFAULT_MODEL, DRAFT_MODEL, load_model, load_tokenizer
 from minivllm.model import Decoder
 

@@ -19,7 +19,7 @@ LAYERS = [
     {"fused", "loader", "machine"},
     {"engine", "distributed"},  # chapter 14 drives the engine's model runner from beside it
     {"core_process"},  # chapter 15: the engine core in a process of its own, and its client
-    {"stages", "serving"},
+    {"stages", "serving", "llm"},  # the ways in: chapter scripts, the server, the offline LLM
     {"bench"},
     {"cli", "exercises"},
     {"__init__"},

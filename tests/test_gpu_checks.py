@@ -117,3 +117,36 @@ def test_structured_outputs_on_cuda_are_valid_and_the_eager_engines():
     assert got[1].outputs[0].text in ("yes", "no", "maybe not")
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids
                                                      for o in eager.generate(prompts, params, use_tqdm=False)]
+
+
+def test_a_config_only_model_drawn_on_the_gpu_is_one_model_at_every_size(tmp_path):
+    """Chapter 14: a bare config's random weights are drawn on the GPU (fast), and every rank's
+    shard drawn there equals the one cut from the whole model drawn there."""
+    from minivllm.distributed.direct_load import load_shard
+    from minivllm.distributed.layers import Communicator
+    from minivllm.distributed.shard import shard_decoder
+    from minivllm.loader import open_weights
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(model_type="qwen3", vocab_size=1000, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=256, tie_word_embeddings=False)))
+    whole = load_model(config, "cuda", torch.float32)
+    assert whole.layers[0].mlp.up_proj.weight.is_cuda
+    assert abs(whole.layers[0].mlp.up_proj.weight.std().item() - 0.02) < 0.002
+    for rank in range(2):
+        cut = shard_decoder(whole, Communicator(rank, 2)).state_dict()
+        read = load_shard(open_weights(config, "cuda"), Communicator(rank, 2), "cuda", torch.float32).state_dict()
+        for name in cut:
+            assert torch.equal(cut[name], read[name]), f"rank {rank}: {name}"
+
+
+def test_two_copies_on_the_gpu_give_one_engines_tokens(hf_models, expected):
+    """Chapter 14's copies: LLM(data_parallel_size=2) on CUDA (two core processes; with one GPU,
+    both on it) gives transformers' greedy tokens."""
+    llm = LLM(hf_models["qwen3"], device="cuda", dtype=torch.float32, data_parallel_size=2, num_kv_blocks=256)
+    try:
+        assert greedy(llm, PROMPTS, LENGTHS) == expected
+        assert min(llm.engine.client.sent) > 0
+    finally:
+        llm.shutdown()

@@ -1,6 +1,7 @@
 """Chapter 14 — copies or splits? The same requests served by one engine, by two copies of it
-(data_parallel_size=2: two core processes) and by two halves of it (tensor_parallel_size=2: two
-ranks), in one run, every layout given the same CPU threads in total.
+(data_parallel_size=2: two core processes, offline and behind the server's frontend) and by two
+halves of it (tensor_parallel_size=2: two ranks), in one run, every layout given the same CPU
+threads in total.
 
     python -m minivllm.bench.data_parallel [--requests 32 --prompt-len 32 --output-len 32]
 
@@ -22,8 +23,8 @@ from typing import Any
 import torch
 
 from minivllm.engine.config import EngineConfig
-from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.llm import LLM
 from minivllm.loader import load_model
 from minivllm.plots import save
 from minivllm.plots.parallel import plot_copies_or_splits
@@ -37,7 +38,8 @@ SHAPE = dict(model_type="qwen3", vocab_size=8192, hidden_size=512, intermediate_
 
 
 def offline(source: str, prompts: list[list[int]], params: SamplingParams, threads: int, **settings: Any) -> tuple:
-    """One engine in this process (tensor_parallel_size ranks): (seconds, token ids per request)."""
+    """The offline LLM (one engine, tensor_parallel_size ranks, or data_parallel_size copies that
+    share `threads`): (seconds, token ids per request)."""
     torch.set_num_threads(threads)
     llm = LLM(source, device="cpu", **settings)
     try:
@@ -48,6 +50,7 @@ def offline(source: str, prompts: list[list[int]], params: SamplingParams, threa
     finally:
         if settings.get("tensor_parallel_size", 1) > 1:
             llm.engine.runner.shutdown()
+        llm.shutdown()
 
 
 async def _served(source: str, config: EngineConfig, prompts: list[list[int]], params: SamplingParams,
@@ -90,10 +93,12 @@ def main() -> None:
         config = EngineConfig(**settings)
         runs = [
             ("one engine (offline)", 1, total, lambda: offline(source, prompts, params, total, **settings)),
+            ("copies: LLM(data_parallel_size=2)", 2, total // 2,
+             lambda: offline(source, prompts, params, total, data_parallel_size=2, **settings)),
             ("splits: tensor_parallel_size=2", 2, total // 2,
              lambda: offline(source, prompts, params, total // 2, tensor_parallel_size=2, **settings)),
             ("one core process", 1, total, lambda: asyncio.run(_served(source, config, prompts, params, total))),
-            ("copies: data_parallel_size=2", 2, total // 2, lambda: asyncio.run(_served(
+            ("copies: serve --data-parallel-size 2", 2, total // 2, lambda: asyncio.run(_served(
                 source, dataclasses.replace(config, data_parallel_size=2), prompts, params, total // 2))),
         ]
         rows, reference = [], None

@@ -40,11 +40,11 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from minivllm.engine.llm import LLM
 from minivllm.engine.config import check_setting
 from minivllm.engine.llm_engine import STEP_PHASES, LLMEngine
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.sequence import Sequence
+from minivllm.llm import LLM
 from minivllm.machine import device_name, synchronize
 from minivllm.model import Decoder
 

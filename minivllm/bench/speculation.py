@@ -30,12 +30,12 @@ import torch
 
 from minivllm.engine.config import EngineConfig
 from minivllm.engine.cuda_graphs import bucket_for, graph_batch_sizes
-from minivllm.engine.llm import LLM
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence, Status
 from minivllm.engine.spec_decode.config import SpeculativeConfig
+from minivllm.llm import LLM
 from minivllm.machine import environment, synchronize
 from minivllm.model import Decoder
 

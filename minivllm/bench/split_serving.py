@@ -70,9 +70,9 @@ def offline_run(model: Path, users: int, seed: int = 0, threads: int = 1) -> dic
     """LLM.generate on the requests of the `users`-user level (4 per user, as bench-serve sends
     them): output tokens per second, and the median step time with at least 90 % of `users`
     in the batch."""
-    from minivllm.engine.llm import LLM
     from minivllm.engine.sampling_params import SamplingParams
     from minivllm.engine.trace import Trace
+    from minivllm.llm import LLM
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.structured_outputs import StructuredOutputsParams
 from minivllm.engine.structured_outputs.backend import XgrammarBackend
 from minivllm.engine.structured_outputs.bitmask import apply_token_bitmask, num_words
 from minivllm.engine.structured_outputs.matcher import SequenceGrammar
 from minivllm.engine.trace import Trace
+from minivllm.llm import LLM
 from minivllm.machine import synchronize
 
 JSON_PROMPTS = ["import json\n\nuser = json.loads('", "SERVER = ", "settings = dict(",

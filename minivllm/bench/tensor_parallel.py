@@ -19,10 +19,10 @@ import torch
 
 from minivllm.bench.workloads import Workload
 from minivllm.distributed.layers import CommStats
-from minivllm.engine.llm import LLM
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.trace import Trace
+from minivllm.llm import LLM
 from minivllm.machine import synchronize
 from minivllm.model import Decoder
 from minivllm.text import random_prompts

@@ -83,11 +83,14 @@ class DataParallelClient:
                  dtype: torch.dtype | None = None, threads: int | None = None, prefer_prefix: bool = True):
         size = config.data_parallel_size
         one = dataclasses.replace(config, data_parallel_size=1)
-        on_gpu = device is not None and torch.device(device).type == "cuda"
-        self.cores = [CoreClient(model, one, tokenizer, f"cuda:{i}" if on_gpu else device, dtype, threads)
+        # On CUDA core i runs on GPU i; more copies than GPUs share them in turn (two processes on one
+        # GPU take turns on it: that pays only where one core leaves the GPU idle between its steps).
+        gpus = torch.cuda.device_count() if device is not None and torch.device(device).type == "cuda" else 0
+        self.cores = [CoreClient(model, one, tokenizer, f"cuda:{i % gpus}" if gpus else device, dtype, threads)
                       for i in range(size)]
         self.prefer_prefix = prefer_prefix
         self.loads = [0] * size  # each core's running + waiting: its last report plus what was sent since
+        self.sent = [0] * size  # requests sent to each core, ever
         self.stats: list[EngineCoreStats | None] = [None] * size
         self.blocks: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(size)]
         self.owner: dict[str, list[int]] = {}  # request id -> [its core, its completions not finished]
@@ -149,6 +152,7 @@ class DataParallelClient:
             index = self.route(message.request.prompt_token_ids)
             self.owner[message.request.request_id] = [index, message.request.params.n]
             self.loads[index] += 1
+            self.sent[index] += 1
             self._send(index, message)
         elif isinstance(message, Abort):
             for index in range(len(self.cores)):

@@ -19,7 +19,7 @@
     async_scheduling.py chapter 16: the core's step N+1 scheduled and launched while step N runs
     output_processor.py chapter 15: the core's news -> text, stop strings, RequestOutputs
     llm_engine.py       the online engine (the three above in one thread): add_request, step, abort_request
-    llm.py              LLM: the offline API, a loop around LLMEngine
+                        (the offline LLM, a loop around it, is ../llm.py: a way in, beside the server)
     spec_decode/        chapter 12: guesses (prompt lookup or a draft model), verified in one forward pass
 
 It imports the model and attention below it, never the server, the stages or the benchmark kit.

@@ -63,9 +63,8 @@ class LLMEngine:
         config = config or EngineConfig.from_settings(**settings)  # checked before a model is loaded
         if config.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size={config.data_parallel_size} runs that many engine cores, each in a "
-                             "process of its own, behind one frontend: serve them with `minivllm serve "
-                             "--data-parallel-size N` or serving.async_llm.AsyncLLM; this engine is one core in "
-                             "this process")
+                             "process of its own, behind one router: use LLM(..., data_parallel_size=N) "
+                             "or `minivllm serve --data-parallel-size N`; LLMEngine is one core in this process")
         if isinstance(model, Decoder):
             self.model = model
         elif config.tensor_parallel_size > 1:  # chapter 14: each rank reads its own shard; nobody loads the whole

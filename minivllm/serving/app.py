@@ -48,10 +48,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from minivllm.engine.llm import render_chat
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.llm import render_chat
 from minivllm.serving.async_engine import AsyncEngine, EngineDead, EngineFailed, Overloaded, RequestStream, merge
 from minivllm.serving.async_llm import AsyncLLM
 from minivllm.serving.auth import APIKeyMiddleware, check_api_key

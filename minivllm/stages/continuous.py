@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm.engine.llm import LLM
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.trace import Trace
+from minivllm.llm import LLM
 from minivllm.model import Decoder
 from minivllm.stages.common import StageStats, prepare
 

@@ -2,7 +2,10 @@
 `LLM.chat(messages)` and `LLM.get_tokenizer()`.
 
 Under the hood it is the online engine in a loop: queue every prompt, step until nothing is
-left, return the finished outputs in the order the prompts came in.
+left, return the finished outputs in the order the prompts came in. With data_parallel_size=N
+(chapter 14's copies) the engine is N core processes behind a router (core_process/offline.py),
+which is why this module sits above the engine and the core process, beside the server: both are
+ways in (vLLM's entrypoints/).
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from minivllm.core_process.offline import DataParallelEngine
+from minivllm.engine.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, Prompt
 from minivllm.engine.outputs import RequestOutput
 from minivllm.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -26,11 +31,16 @@ Conversation = Sequence[dict[str, str]]  # [{"role": "user", "content": "..."}, 
 class LLM:
     """An engine for offline batches. `model` may be a loaded minivllm Decoder or anything
     load_model accepts (None: the embedded default model); the engine's settings are keywords,
-    as for LLMEngine (see engine/config.py), e.g. LLM(model, block_size=4, enable_prefix_caching=False)."""
+    as for LLMEngine (see engine/config.py), e.g. LLM(model, block_size=4, enable_prefix_caching=False).
+    data_parallel_size=N runs N whole copies, each an engine core process: call shutdown() when done."""
 
     def __init__(self, model: Any = None, device: str | None = None, dtype: torch.dtype | None = None,
                  tokenizer: Any = None, **settings: Any):
-        self.engine = LLMEngine(model, device, dtype, tokenizer, **settings)
+        self.engine: LLMEngine | DataParallelEngine
+        if settings.get("data_parallel_size", 1) != 1:  # chapter 14: copies (a bad size: EngineConfig says why)
+            self.engine = DataParallelEngine(model, EngineConfig.from_settings(**settings), tokenizer, device, dtype)
+        else:
+            self.engine = LLMEngine(model, device, dtype, tokenizer, **settings)
         self._request_ids = itertools.count()  # LLM names its requests "0", "1", ... (as vLLM's does), in order
 
     @property
@@ -44,6 +54,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The tokenizer (None when the checkpoint has none)."""
         return self.engine.get_tokenizer()
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes (data_parallel_size > 1; nothing to do for one engine in
+        this process). The LLM cannot generate afterwards."""
+        if isinstance(self.engine, DataParallelEngine):
+            self.engine.shutdown()
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -67,11 +83,15 @@ class LLM:
         with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       disable=not use_tqdm, transient=True) as progress:
             task = progress.add_task("", total=len(ids))
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        progress.advance(task)
+            try:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            progress.advance(task)
+            except BaseException:  # an error or Ctrl-C: take back what is still running, leave the engine clean
+                self.engine.abort_request([i for i in ids if i not in finished])
+                raise
         return [finished[i] for i in ids]
 
     def chat(

@@ -1,0 +1,133 @@
+"""Chapter 14's copies for offline batches: `LLM(model, data_parallel_size=N)`.
+
+LLMEngine's surface (add_request, step, abort_request, has_unfinished_requests) with its one
+in-thread core replaced by N core processes behind a DataParallelClient, as the server has them:
+
+    add_request ──► InputProcessor ──► DataParallelClient ──► N EngineCores ──► OutputProcessor
+                    (here)             (here: routes)         (processes)       (here)
+
+One `step()` takes the next StepOutputs of whichever core sends first, so the copies run side by
+side while this thread turns their news into RequestOutputs. The client is asynchronous (it is
+the server's); this engine drives it on an event loop of its own, one `receive()` at a time.
+(vLLM's offline `LLM` refuses data_parallel_size > 1 and asks for one process per copy.)
+"""
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from minivllm.core_process.client import CoreDied
+from minivllm.core_process.data_parallel import DataParallelClient
+from minivllm.core_process.messages import Abort, AddRequest, Failed, Refused, StepOutputs, StopSequences
+from minivllm.engine.config import EngineConfig
+from minivllm.engine.input_processor import InputProcessor, Prompt
+from minivllm.engine.output_processor import OutputProcessor, RequestState
+from minivllm.engine.outputs import RequestOutput
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.loader import load_tokenizer
+from minivllm.model import Decoder
+
+
+class DataParallelEngine:
+    """model/tokenizer/device/dtype: as for LLMEngine (a source is loaded by each core, not
+    here); config: an EngineConfig with data_parallel_size > 1. On a CPU the copies share this
+    process's torch threads (each core gets its 1/N of them, at least one); on CUDA core i runs
+    on GPU i. Call shutdown() when done (it is also called when the engine is collected)."""
+
+    def __init__(self, model: Any, config: EngineConfig, tokenizer: Any = None, device: str | None = None,
+                 dtype: torch.dtype | None = None):
+        if not isinstance(config, EngineConfig) or config.data_parallel_size < 2:
+            raise ValueError(f"DataParallelEngine runs copies: it needs an EngineConfig with data_parallel_size >= 2, "
+                             f"got {config!r}")
+        if not isinstance(model, Decoder):
+            tokenizer = tokenizer or load_tokenizer(model)
+        self.tokenizer = tokenizer
+        threads = max(1, torch.get_num_threads() // config.data_parallel_size)
+        self.client = DataParallelClient(model, config, tokenizer, device, dtype, threads)
+        self._loop = asyncio.new_event_loop()
+        self._finalizer = weakref.finalize(self, _stop, self.client, self._loop)
+        self._loop.run_until_complete(self.client.start())
+        self.config: EngineConfig = self.client.config
+        self.input_processor = InputProcessor(tokenizer, self.client.info["vocab_size"], self.config)
+        self.output_processor = OutputProcessor(tokenizer)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The requests not yet finished, by id."""
+        return self.output_processor.requests
+
+    @property
+    def trace(self) -> None:
+        return None  # each core steps in its own process: there is no step here to record
+
+    @trace.setter
+    def trace(self, trace: Any) -> None:
+        if trace is not None:
+            raise ValueError("a Trace records the steps of an engine in this process; with data_parallel_size > 1 "
+                             "the steps run in the cores' processes (trace one engine: data_parallel_size=1)")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(self, request_id: str | None = None, prompt: Prompt | None = None,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        """As LLMEngine.add_request: checked and tokenized here (ValueError, touching nothing),
+        then sent to the core the router picks."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this engine's cores were shut down")
+        if prompt is None:
+            raise ValueError("add_request needs a prompt: add_request(request_id=..., prompt=..., params=...)")
+        text, request = self.input_processor.process(request_id, prompt, params, arrival_time)
+        self.output_processor.add_request(request, text)
+        self.client.send(AddRequest(request))
+        return request.request_id
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = [rid for rid in ids if rid in self.requests]
+        for rid in ids:
+            self.output_processor.abort_request(rid)
+        if ids and self.client.alive:
+            self.client.send(Abort(ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """The next step of any core, as RequestOutputs. Raises ValueError for a request a core
+        refused (after forgetting it) and RuntimeError if a core failed or died."""
+        if not self.has_unfinished_requests():
+            return []
+        try:
+            message = self._loop.run_until_complete(self.client.receive())
+        except CoreDied as err:
+            raise RuntimeError(f"an engine core died: {err}") from err
+        if isinstance(message, Refused):
+            self.output_processor.abort_request(message.request_id)
+            raise ValueError(f"request {message.request_id!r}: {message.message}")
+        if isinstance(message, Failed):
+            raise RuntimeError(f"an engine core failed: {message.message}")
+        if not isinstance(message, StepOutputs):
+            return []
+        outputs, stopped = self.output_processor.process_outputs(message.outputs)
+        if stopped:
+            self.client.send(StopSequences(stopped))  # stop strings end completions in their core too
+        return outputs
+
+    def shutdown(self) -> None:
+        """Stop every core (each after its current step) and close the event loop."""
+        self._finalizer()
+
+
+def _stop(client: DataParallelClient, loop: asyncio.AbstractEventLoop) -> None:
+    client.shutdown()
+    loop.close()
+
