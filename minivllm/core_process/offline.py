@@ -87,7 +87,7 @@ class DataParallelEngine:
             raise ValueError("add_request needs a prompt: add_request(request_id=..., prompt=..., params=...)")
         text, request = self.input_processor.process(request_id, prompt, params, arrival_time)
         self.output_processor.add_request(request, text)
-        self.client.send(AddRequest(request))
+        self._on_loop(self.client.send, AddRequest(request))
         return request.request_id
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -96,7 +96,7 @@ class DataParallelEngine:
         for rid in ids:
             self.output_processor.abort_request(rid)
         if ids and self.client.alive:
-            self.client.send(Abort(ids))
+            self._on_loop(self.client.send, Abort(ids))
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -119,8 +119,15 @@ class DataParallelEngine:
             return []
         outputs, stopped = self.output_processor.process_outputs(message.outputs)
         if stopped:
-            self.client.send(StopSequences(stopped))  # stop strings end completions in their core too
+            self._on_loop(self.client.send, StopSequences(stopped))  # stop strings end completions in their core too
         return outputs
+
+    def _on_loop(self, function: Any, *args: Any) -> Any:
+        """Call the client on its event loop: zmq.asyncio's sockets look for the running loop."""
+        async def call() -> Any:
+            return function(*args)
+
+        return self._loop.run_until_complete(call())
 
     def shutdown(self) -> None:
         """Stop every core (each after its current step) and close the event loop."""
@@ -128,6 +135,10 @@ class DataParallelEngine:
 
 
 def _stop(client: DataParallelClient, loop: asyncio.AbstractEventLoop) -> None:
-    client.shutdown()
+    async def stop() -> None:
+        client.shutdown()  # on the loop, as every call to the client; it cancels its readers
+        await asyncio.sleep(0)  # and here they finish
+
+    loop.run_until_complete(stop())
     loop.close()
 
