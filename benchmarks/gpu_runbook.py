@@ -411,7 +411,7 @@ def prefix_summary(run: Run) -> dict[str, Any]:
 
 PARTS: list[Part] = [  # in priority order: the budget runs out at the end of this list
     Part("smoke", 60, "default engine against eager, fp32 and bf16", smoke_summary, command=smoke),
-    Part("gpu_checks", 70, "pytest -m gpu", checks_summary, command=gpu_checks),
+    Part("gpu_checks", 100, "pytest -m gpu", checks_summary, command=gpu_checks),
     Part("roofline", 130, "nano workload against its memory floor", roofline_summary, command=roofline),
     Part("serving", 200, "one-process vs core-process server over HTTP, 1-256 users", serving_summary,
          function=serving),
