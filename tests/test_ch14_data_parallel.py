@@ -145,7 +145,11 @@ def test_the_offline_llm_with_two_copies_gives_one_engines_outputs(engine, expec
         with pytest.raises(ValueError, match="prompt 1"):
             llm.generate(["x = [", "y" * 10_000], params, use_tqdm=False)
         assert not llm.engine.has_unfinished_requests()
-        again = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+
+        async def under_a_running_loop() -> list:  # as in a notebook, whose kernel runs an event loop
+            return llm.generate(PROMPTS[:2], params, use_tqdm=False)
+
+        again = asyncio.run(under_a_running_loop())
     finally:
         llm.shutdown()
     assert sent[0] > 0 and sent[1] > 0 and sum(sent) == len(PROMPTS)  # both copies served

@@ -8,13 +8,16 @@ in-thread core replaced by N core processes behind a DataParallelClient, as the 
 
 One `step()` takes the next StepOutputs of whichever core sends first, so the copies run side by
 side while this thread turns their news into RequestOutputs. The client is asynchronous (it is
-the server's); this engine drives it on an event loop of its own, one `receive()` at a time.
+the server's); this engine runs it on an event loop in a thread of its own and waits for each
+call there, so it works from any caller, a notebook's running event loop included.
 (vLLM's offline `LLM` refuses data_parallel_size > 1 and asks for one process per copy.)
 """
 from __future__ import annotations
 
 import asyncio
+import threading
 import weakref
+from concurrent.futures import Future
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,8 +52,11 @@ class DataParallelEngine:
         threads = max(1, torch.get_num_threads() // config.data_parallel_size)
         self.client = DataParallelClient(model, config, tokenizer, device, dtype, threads)
         self._loop = asyncio.new_event_loop()
-        self._finalizer = weakref.finalize(self, _stop, self.client, self._loop)
-        self._loop.run_until_complete(self.client.start())
+        thread = threading.Thread(target=self._loop.run_forever, name="minivllm-copies", daemon=True)
+        thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self.client, self._loop, thread)
+        self._receiving: Future | None = None  # a receive() that a Ctrl-C left waiting: the next step takes it
+        self._wait(self.client.start())
         self.config: EngineConfig = self.client.config
         self.input_processor = InputProcessor(tokenizer, self.client.info["vocab_size"], self.config)
         self.output_processor = OutputProcessor(tokenizer)
@@ -106,10 +112,15 @@ class DataParallelEngine:
         refused (after forgetting it) and RuntimeError if a core failed or died."""
         if not self.has_unfinished_requests():
             return []
+        if self._receiving is None:
+            self._receiving = asyncio.run_coroutine_threadsafe(self.client.receive(), self._loop)
         try:
-            message = self._loop.run_until_complete(self.client.receive())
+            message = self._receiving.result()
         except CoreDied as err:
             raise RuntimeError(f"an engine core died: {err}") from err
+        finally:
+            if self._receiving.done():
+                self._receiving = None
         if isinstance(message, Refused):
             self.output_processor.abort_request(message.request_id)
             raise ValueError(f"request {message.request_id!r}: {message.message}")
@@ -122,23 +133,28 @@ class DataParallelEngine:
             self._on_loop(self.client.send, StopSequences(stopped))  # stop strings end completions in their core too
         return outputs
 
+    def _wait(self, coroutine: Any) -> Any:
+        """Run a coroutine on the client's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
     def _on_loop(self, function: Any, *args: Any) -> Any:
         """Call the client on its event loop: zmq.asyncio's sockets look for the running loop."""
         async def call() -> Any:
             return function(*args)
 
-        return self._loop.run_until_complete(call())
+        return self._wait(call())
 
     def shutdown(self) -> None:
         """Stop every core (each after its current step) and close the event loop."""
         self._finalizer()
 
 
-def _stop(client: DataParallelClient, loop: asyncio.AbstractEventLoop) -> None:
+def _stop(client: DataParallelClient, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
     async def stop() -> None:
         client.shutdown()  # on the loop, as every call to the client; it cancels its readers
         await asyncio.sleep(0)  # and here they finish
 
-    loop.run_until_complete(stop())
+    asyncio.run_coroutine_threadsafe(stop(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
     loop.close()
-
