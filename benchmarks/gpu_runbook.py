@@ -444,6 +444,9 @@ def machine(device: str) -> dict[str, Any]:
         info["gpu"], info["driver"], info["gpu_memory"] = ([f.strip() for f in gpu.split(",")][:3] if gpu and gpu.count(",") >= 2
                                                            else [None, None, None])
     info["tree"] = run_quietly(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
+    # A device's copy of the repository carries the session's first commit beside the working tree
+    # it was sent: the tracked files that differ from that commit say whether "tree" is the code.
+    info["changes_since_tree"] = run_quietly(["git", "-C", str(ROOT), "diff", "--shortstat", "HEAD"])  # None: none
     return info
 
 
