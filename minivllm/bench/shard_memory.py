@@ -1,13 +1,17 @@
 """Chapter 14 — how much memory one rank needs to load its shard, before and after direct loading.
 
 Each measurement is a fresh process that loads rank r's shard of N and reports the peak of its
-resident memory above its baseline (Linux: /proc/self/clear_refs resets the peak, VmHWM reads it):
+resident memory above its baseline (Linux: /proc/self/clear_refs resets the peak, VmHWM reads it),
+or with --device cuda the peak of the GPU memory torch allocated (max_memory_allocated):
 
     cut     the whole model (load_model), then its shard cut from it (shard.shard_decoder): what
             chapter 14 first did on rank 0
     direct  only the shard's slices, read from the checkpoint or drawn (direct_load.load_shard)
 
-    python -m minivllm.bench.shard_memory [--config minivllm/configs/NAME.json] [--sizes 1 2 4]
+    python -m minivllm.bench.shard_memory [--config minivllm/configs/NAME.json] [--sizes 1 2 4] [--device cuda]
+
+No process group is needed: a rank's shard is built from its rank and N alone, so one GPU can
+measure what each of N GPUs would hold.
 
 A safetensors checkpoint is memory-mapped: the pages of the file a rank touches count in its
 resident memory too (shared with every other process, the operating system's page cache), so the
@@ -21,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,30 +50,42 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def measure_here(source: str, how: str, rank: int, n: int) -> dict[str, Any]:
-    """In this process: load rank `rank` of `n` (how: "cut" or "direct"); the peak above the baseline."""
+def measure_here(source: str, how: str, rank: int, n: int, device: str = "cpu") -> dict[str, Any]:
+    """In this process: load rank `rank` of `n` (how: "cut" or "direct") on `device` (fp32 on a
+    CPU, bf16 on CUDA); the peak above the baseline, the bytes the shard holds, the seconds taken."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     open_weights(source)  # transformers' import, before the baseline
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    if how == "direct":
-        model = load_shard(open_weights(source), Communicator(rank, n), "cpu", torch.float32)
+    if device == "cpu":
+        base = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     else:
-        model = shard_decoder(load_model(source, "cpu"), Communicator(rank, n))
+        torch.cuda.init()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    if how == "direct":
+        model = load_shard(open_weights(source, device), Communicator(rank, n), device, dtype)
+    else:
+        model = shard_decoder(load_model(source, device, dtype), Communicator(rank, n))
+    if device != "cpu":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = _status("VmHWM") if device == "cpu" else torch.cuda.max_memory_allocated()
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dict(how=how, rank=rank, world_size=n, peak_bytes=_status("VmHWM") - base, held_bytes=held)
+    return dict(how=how, rank=rank, world_size=n, peak_bytes=peak - base, held_bytes=held, seconds=seconds)
 
 
-def measure(source: str, how: str, rank: int, n: int) -> dict[str, Any]:
+def measure(source: str, how: str, rank: int, n: int, device: str) -> dict[str, Any]:
     """measure_here in a fresh process."""
     out = subprocess.run([sys.executable, "-m", "minivllm.bench.shard_memory", "--child", source, how, str(rank),
-                          str(n)], capture_output=True, text=True, timeout=300, check=True)
+                          str(n), "--device", device], capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def weight_bytes(source: str) -> int:
+def weight_bytes(source: str, dtype: torch.dtype) -> int:
     with torch.device("meta"):
-        return sum(p.numel() * 4 for p in Decoder(open_weights(source).config).parameters())
+        return sum(p.numel() * dtype.itemsize for p in Decoder(open_weights(source).config).parameters())
 
 
 def main() -> None:
@@ -76,32 +93,38 @@ def main() -> None:
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--config", help="a config.json (default: a ~270 MB Qwen3-shaped model)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--out", default="benchmarks/results/14_shard_memory_cpu.json")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/14_shard_memory_{device}.json")
     args = parser.parse_args()
     if args.child:
         source, how, rank, n = args.child
-        print(json.dumps(measure_here(source, how, int(rank), int(n))))
+        print(json.dumps(measure_here(source, how, int(rank), int(n), args.device)))
         return
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    out = args.out or f"benchmarks/results/14_shard_memory_{args.device}.json"
     with tempfile.TemporaryDirectory() as folder:
         source = args.config or str(Path(folder) / "config.json")
         if not args.config:
             Path(source).write_text(json.dumps(DEFAULT_SHAPE))
-        weights = weight_bytes(source)
+        weights = weight_bytes(source, dtype)
         rows = []
         for n in args.sizes:
             for how in ("cut", "direct"):
                 for rank in sorted({0, n - 1}):
-                    row = measure(source, how, rank, n)
+                    row = measure(source, how, rank, n, args.device)
                     row["peak_over_weights"] = row["peak_bytes"] / weights
                     rows.append(row)
                     print(f"N={n} rank {rank} {how:6s}: peak {row['peak_bytes'] / 2**20:7.0f} MiB = "
-                          f"{row['peak_over_weights']:.2f}x the weights (holds {row['held_bytes'] / 2**20:.0f} MiB)")
+                          f"{row['peak_over_weights']:.2f}x the weights (holds {row['held_bytes'] / 2**20:.0f} MiB), "
+                          f"{row['seconds']:.1f} s")
         shape = json.loads(Path(source).read_text())
-    result = dict(device="cpu", dtype="float32", model_shape=shape, weight_bytes=weights, loadavg=os.getloadavg(),
-                  command="python -m minivllm.bench.shard_memory", rows=rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    machine = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__) if args.device == "cuda" else {}
+    result = dict(device=args.device, dtype=str(dtype).removeprefix("torch."), model_shape=shape, weight_bytes=weights,
+                  loadavg=os.getloadavg(), machine=machine, command=" ".join(["python -m minivllm.bench.shard_memory",
+                                                                             *sys.argv[1:]]), rows=rows)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
