@@ -135,7 +135,9 @@ def test_two_cores_give_the_one_process_engines_tokens(engine, expected):
 @pytest.mark.timeout(180)
 def test_the_offline_llm_with_two_copies_gives_one_engines_outputs(engine, expected):
     choose_core([1, 0], [0, 1])  # the router, asked first: an unfinished exercise 14.4 names itself
-    llm = LLM(engine.model, tokenizer=engine.tokenizer, data_parallel_size=2, **ENGINE)
+    # persistent_batch as the engine above resolved it: the cores do not see conftest's LATER_DEFAULTS.
+    llm = LLM(engine.model, tokenizer=engine.tokenizer, data_parallel_size=2,
+              persistent_batch=engine.config.persistent_batch, **ENGINE)
     pids = llm.engine.client.info["core_pids"]
     try:
         params = SamplingParams(max_tokens=16, **GREEDY)

@@ -56,7 +56,11 @@ class DataParallelEngine:
         thread.start()
         self._finalizer = weakref.finalize(self, _stop, self.client, self._loop, thread)
         self._receiving: Future | None = None  # a receive() that a Ctrl-C left waiting: the next step takes it
-        self._wait(self.client.start())
+        try:
+            self._wait(self.client.start())
+        except BaseException:  # a core that fails to start: stop the loop's thread too, then say why
+            self._finalizer()
+            raise
         self.config: EngineConfig = self.client.config
         self.input_processor = InputProcessor(tokenizer, self.client.info["vocab_size"], self.config)
         self.output_processor = OutputProcessor(tokenizer)
