@@ -31,8 +31,8 @@ import zmq
 
 from minivllm.core_process.messages import (Abort, AddRequest, Failed, Ready, Refused, Shutdown, StepOutputs,
                                             StopSequences, encoder, to_core_decoder)
-from minivllm.engine.config import EngineConfig
 from minivllm.distributed.direct_load import unloaded_model
+from minivllm.engine.config import EngineConfig
 from minivllm.engine.core import EngineCore
 from minivllm.loader import load_model, load_tokenizer
 from minivllm.machine import environment

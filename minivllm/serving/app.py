@@ -177,9 +177,7 @@ routes = APIRouter()
 @routes.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     server = request.app.state.server
-    check_model(server, body.model)
-    body.check_logprobs(server.max_logprobs)
-    params = bad_request_unless(body.sampling_params)
+    params = checked_params(server, body)
     pairs = await asyncio.to_thread(tokenized, server, body.prompts(), body.add_special_tokens,
                                     body.truncate_prompt_tokens)
     texts, prompts = zip(*pairs)
@@ -199,9 +197,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     server = request.app.state.server
-    check_model(server, body.model)
-    body.check_logprobs(server.max_logprobs)
-    params = bad_request_unless(body.sampling_params)
+    params = checked_params(server, body)
     messages = [m.as_template_input() for m in body.messages]
     prompt = await asyncio.to_thread(chat_prompt, server.engine.tokenizer, messages, server.model_name)
     if body.truncate_prompt_tokens is not None:
@@ -311,6 +307,14 @@ def check_model(server: Server, name: str) -> None:
     if name != server.model_name:
         raise APIError(404, f"The model `{name}` does not exist; this server serves `{server.model_name}`",
                        param="model", code="model_not_found")
+
+
+def checked_params(server: Server, body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """What both generating routes check first: the model (404), the logprobs asked for and the
+    sampling parameters (400); returns the request's SamplingParams."""
+    check_model(server, body.model)
+    body.check_logprobs(server.max_logprobs)
+    return bad_request_unless(body.sampling_params)
 
 
 def the_tokenizer(server: Server, model: str | None) -> Any:
