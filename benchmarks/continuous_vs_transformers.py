@@ -9,7 +9,7 @@ Same model weights, same prompts, same output lengths (greedy, EOS ignored), tim
   padding, max_new_tokens = the batch's longest output); only each request's own tokens count;
 - transformers continuous batching: the manager behind `model.generate_batch`, each request
   with its own max_new_tokens (generate_batch itself takes one length for all), KV cache sized
-  to hold every request (see minivllm/bench/peers.py).
+  to hold every request (see minivllm/course/bench/peers.py).
 
 With several request counts, each count is its own seeded workload, measured the same way: static
 batching loses more as the number of requests grows, because every batch of 16 runs to its own
@@ -28,15 +28,16 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from minivllm import LLM, SamplingParams, plots
-from minivllm.bench.harness import (chapter_parser, console, format_tokens_per_second, load_for_chapter, save_results,
+from minivllm import LLM, SamplingParams
+from minivllm.course import plots
+from minivllm.course.bench.harness import (chapter_parser, console, format_tokens_per_second, load_for_chapter, save_results,
                                     useful_tokens)
-from minivllm.bench.peers import (continuous_batching_unavailable, hf_generate_batch, hf_static_generate,
+from minivllm.course.bench.peers import (continuous_batching_unavailable, hf_generate_batch, hf_static_generate,
                                   to_transformers, token_positions)
-from minivllm.bench.workloads import WORKLOADS, Workload, make_workload
-from minivllm.engine.trace import StepRecord, Trace
+from minivllm.course.bench.workloads import WORKLOADS, Workload, make_workload
+from minivllm.core.trace import StepRecord, Trace
 from minivllm.machine import environment, synchronize
-from minivllm.plots.lines import plot_vs_peers
+from minivllm.course.plots.lines import plot_vs_peers
 
 OURS, STATIC, CONTINUOUS = "minivllm LLM.generate", "transformers generate (static)", "transformers generate_batch"
 NOTES = {

@@ -10,14 +10,14 @@ On a GPU (the numbers chapter 9 reports; benchmarks/gpu_runbook.py runs it as it
 
 1. Measure the device's copy bandwidth (bytes read + written per second) and its read bandwidth
    (a sum over 1 GiB: bytes read); the floor is priced at the higher of the two, because on a
-   GPU attention reads K/V a few percent faster than a copy moves it (bench/timing.py).
+   GPU attention reads K/V a few percent faster than a copy moves it (course/bench/timing.py).
 2. Compute the workload's floor: the weights read once per decode step, every request's KV
-   read once per step it decodes, over that bandwidth (minivllm/bench/roofline.py).
+   read once per step it decodes, over that bandwidth (minivllm/course/bench/roofline.py).
 3. Run the engine (`LLM.generate`, greedy, EOS ignored, each request's own output length)
    `--repeats` times per engine setting (`--variants`, default: every one the device can run,
    fastest first, so a run cut short still has the headline). Each setting gets an engine of its
    own, built (KV pool, CUDA graphs) and warmed up on the workload's own paths
-   (bench.workloads.warmup_workloads: Triton compiles nothing on the clock) before its first
+   (course.bench.workloads.warmup_workloads: Triton compiles nothing on the clock) before its first
    timed run, and freed before the next one is built.
 4. transformers' continuous batching (`generate_batch`) last, once on the same requests, or with
    `--peer-requests N` on the first N of them (it runs the nano workload at ~580 tok/s on an
@@ -40,17 +40,18 @@ import torch
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from minivllm import LLM, SamplingParams, plots
-from minivllm.bench.harness import (chapter_parser, console, format_tokens_per_second, load_for_chapter, save_results,
+from minivllm import LLM, SamplingParams
+from minivllm.course import plots
+from minivllm.course.bench.harness import (chapter_parser, console, format_tokens_per_second, load_for_chapter, save_results,
                                     useful_tokens)
-from minivllm.bench.workloads import WORKLOADS, Workload, make_workload, warmup_workloads
+from minivllm.course.bench.workloads import WORKLOADS, Workload, make_workload, warmup_workloads
 from minivllm.machine import environment, synchronize
 from minivllm.model import Decoder
-from minivllm.bench.peers import continuous_batching_unavailable, hf_generate_batch, to_transformers
-from minivllm.plots.ceiling import plot_roofline
-from minivllm.bench.profiling import VARIANTS, variants_for
-from minivllm.bench.roofline import decode_floor
-from minivllm.bench.timing import floor_bandwidth
+from minivllm.course.bench.peers import continuous_batching_unavailable, hf_generate_batch, to_transformers
+from minivllm.course.plots.ceiling import plot_roofline
+from minivllm.course.bench.profiling import VARIANTS, variants_for
+from minivllm.course.bench.roofline import decode_floor
+from minivllm.course.bench.timing import floor_bandwidth
 
 PEER = "transformers generate_batch"
 Runner = Callable[[list[list[int]], list[int]], list[list[int]]]

@@ -206,7 +206,7 @@ def serve_and_load(run: Run, results: str, servers: dict[str, list[str]], levels
     for label, arguments in servers.items():
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([sys.executable, "-m", "minivllm.cli", "serve", "--device", run.device, *run.model,
+        server = subprocess.Popen([sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--device", run.device, *run.model,
                                    "--port", str(port), *arguments], cwd=run.out)
         try:
             wait_until_healthy(url, server, min(run.deadline, time.time() + 120))
@@ -219,7 +219,7 @@ def serve_and_load(run: Run, results: str, servers: dict[str, list[str]], levels
                 if left < 5:
                     print(f"no time left for {label} at {users} users", flush=True)
                     break
-                subprocess.run([sys.executable, "-m", "minivllm.cli", "bench-serve", "--url", url, "--concurrency",
+                subprocess.run([sys.executable, "-m", "minivllm.entrypoints.cli", "bench-serve", "--url", url, "--concurrency",
                                 str(users), "--requests", str(max(4, 4 * users)), "--workload", workload,
                                 "--label", label, "--results", "level", "--figure", "level",
                                 "--deadline", f"{left:.0f}"], cwd=scratch, timeout=left + 5, check=True)
@@ -232,8 +232,8 @@ def serve_and_load(run: Run, results: str, servers: dict[str, list[str]], levels
                 server.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 server.kill()
-    from minivllm.plots import save
-    from minivllm.plots.serving import plot_serving
+    from minivllm.course.plots import save
+    from minivllm.course.plots.serving import plot_serving
 
     # The part's process runs in DIR, so figures/ lands there.
     save(plot_serving(payload["runs"], "concurrency", 0.5, 50.0, subtitle=f"workload {workload} (EOS ignored), "
@@ -368,7 +368,7 @@ def speculation_summary(run: Run) -> dict[str, Any]:
 def tour(run: Run) -> None:
     """`minivllm tour` with a time limit (run_tour's time_limit: each stage an equal share of what
     is left, launch-bound stages sampled group by group within it)."""
-    from minivllm.bench.tour import run_tour
+    from minivllm.course.bench.tour import run_tour
 
     source = run.model[1] if run.model else None
     size = (dict(num_requests=64, check=2) if run.gpu else

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
 from minivllm.machine import environment, synchronize
 
 ENGINES = {"default (graphs + fused + Triton on a GPU)": {}, "eager (cuda_graphs=False, fused_ops=False)":

@@ -59,9 +59,9 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
 
     import minivllm
     from minivllm import LLMEngine, SamplingParams
-    from minivllm.engine.cuda_graphs import bucket_for, graph_batch_sizes
-    from minivllm.engine.prepare import build_step_arrays, device_step, to_device
-    from minivllm.engine.sampling_params import RequestOutputKind
+    from minivllm.worker.cuda_graphs import bucket_for, graph_batch_sizes
+    from minivllm.worker.prepare import build_step_arrays, device_step, to_device
+    from minivllm.request.sampling_params import RequestOutputKind
 
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as folder:
@@ -79,7 +79,7 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
 
     # Chapter 16's persistent batch where the tree has one (rows kept across steps); chapter 9's
     # build_step_arrays, from the requests' lists every step, where it has not.
-    batch = getattr(engine.runner, "batch", None)
+    batch = getattr(engine.core.runner, "batch", None)
 
     def arrays_of(seqs, num_new, num_rows=None, pad_block=None):
         if batch is not None:
@@ -98,9 +98,9 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
         times["prepare (graph)"].append(clock() - middle)
         return arrays.samplers, logits[:len(arrays.samplers)], {}
 
-    schedule_fn = engine.scheduler.schedule
+    schedule_fn = engine.core.scheduler.schedule
     # Chapter 16's engine asks the sampler for tokens left on the device (Sampler.sample); before, it called it.
-    sampler = getattr(engine.sampler, "sample", engine.sampler)
+    sampler = getattr(engine.core.sampler, "sample", engine.core.sampler)
 
     def timed_schedule():
         start = clock()
@@ -114,18 +114,18 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
         times["sample"].append(clock() - start)
         return out
 
-    engine.runner.run, engine.scheduler.schedule = run, timed_schedule
-    if sampler is engine.sampler:
-        engine.sampler = timed_sample
+    engine.core.runner.run, engine.core.scheduler.schedule = run, timed_schedule
+    if sampler is engine.core.sampler:
+        engine.core.sampler = timed_sample
     else:
-        engine.sampler.sample = timed_sample
+        engine.core.sampler.sample = timed_sample
     # As LLM.generate (the benchmarks) asks: the output once, when the request finishes.
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     for _ in range(batch_size):
         engine.add_request(prompt=[rng.randrange(1, CONFIG["vocab_size"]) for _ in range(rng.randint(context - spread,
                                                                                            context + spread))], params=params)
-    seqs = [seq for group in engine.requests.values() for seq in group.seqs]
+    seqs = [seq for group in engine.core.requests.values() for seq in group.seqs]
     while not all(s.num_computed_tokens == s.num_tokens - 1 and s.output_token_ids for s in seqs):
         engine.step()  # the prompts, chunk by chunk: not measured
     for phase in PHASES:
@@ -237,7 +237,7 @@ def main() -> None:
             cells.append(f"{before / after:.2f}×")
         table.add_row(phase, *cells)
     console.print(table)
-    from minivllm.bench.harness import save_results
+    from minivllm.course.bench.harness import save_results
 
     path = save_results(args.results, dict(
         created=time.strftime("%Y-%m-%d %H:%M:%S"), machine=machine, python=platform.python_version(),

@@ -3,7 +3,7 @@
     python benchmarks/step_profile.py [--model SRC] [--device cpu|cuda] [--batch-size 16] [--context 200]
 
 writes figures/09_step_timeline.png and benchmarks/results/09_step_profile_<device>.json
-(the library is minivllm/bench/profiling.py; chapters/09_cuda_graphs.py shows the same profile
+(the library is minivllm/course/bench/profiling.py; chapters/09_cuda_graphs.py shows the same profile
 beside the chapter's other measurements).
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from minivllm import plots
-from minivllm.bench.harness import add_model_arguments, console, load_for_chapter, save_results
-from minivllm.bench.profiling import VARIANTS, profile_variants
+from minivllm.course import plots
+from minivllm.course.bench.harness import add_model_arguments, console, load_for_chapter, save_results
+from minivllm.course.bench.profiling import VARIANTS, profile_variants
 from minivllm.machine import environment
-from minivllm.plots.profile import plot_step_timeline
+from minivllm.course.plots.profile import plot_step_timeline
 
 
 def main() -> None:

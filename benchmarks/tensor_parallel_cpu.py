@@ -21,13 +21,13 @@ import time
 import torch
 from rich.table import Table
 
-from minivllm import plots
-from minivllm.bench.harness import add_model_arguments, console, format_bytes, load_for_chapter, save_results
-from minivllm.bench.tensor_parallel import compare_sizes, fixed_workload, run_size
+from minivllm.course import plots
+from minivllm.course.bench.harness import add_model_arguments, console, format_bytes, load_for_chapter, save_results
+from minivllm.course.bench.tensor_parallel import compare_sizes, fixed_workload, run_size
 from minivllm.distributed.shard import check_shardable
 from minivllm.loader import CONFIGS
 from minivllm.machine import device_name, environment
-from minivllm.plots.parallel import plot_step_split
+from minivllm.course.plots.parallel import plot_step_split
 
 ENGINE = dict(block_size=16, num_kv_blocks=128, enable_prefix_caching=False)  # every request fits: no preemption
 

@@ -12,15 +12,16 @@ from statistics import median
 
 import torch
 
-from minivllm import load_tokenizer, plots
+from minivllm import load_tokenizer
+from minivllm.course import plots
 from minivllm.attention.masks import causal_mask
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
-from minivllm.bench.timing import time_stream
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.timing import time_stream
 from minivllm.machine import environment
-from minivllm.plots.lines import plot_series
-from minivllm.plots.masks import plot_mask
+from minivllm.course.plots.lines import plot_series
+from minivllm.course.plots.masks import plot_mask
 from minivllm.stages import naive
-from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
+from minivllm.course.text import DEMO_PROMPT, encode_or_random, show_sample
 
 
 def main() -> None:

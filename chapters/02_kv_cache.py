@@ -14,15 +14,16 @@ from statistics import median
 import torch
 
 import minivllm
-from minivllm import load_tokenizer, plots
-from minivllm.bench.harness import chapter_parser, console, kv_size_table, load_for_chapter, save_results
-from minivllm.bench.timing import time_stream
+from minivllm import load_tokenizer
+from minivllm.course import plots
+from minivllm.course.bench.harness import chapter_parser, console, kv_size_table, load_for_chapter, save_results
+from minivllm.course.bench.timing import time_stream
 from minivllm.loader import read_config
 from minivllm.machine import environment
-from minivllm.plots.lines import plot_series
-from minivllm.plots.masks import decode_attention_picture
+from minivllm.course.plots.lines import plot_series
+from minivllm.course.plots.masks import decode_attention_picture
 from minivllm.stages import kv_cache, naive
-from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
+from minivllm.course.text import DEMO_PROMPT, encode_or_random, show_sample
 
 
 def main() -> None:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import torch
 from rich.progress import track
 
-from minivllm import load_tokenizer, plots
+from minivllm import load_tokenizer
+from minivllm.course import plots
 from minivllm.attention.masks import padded_causal_mask
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, results_table, run_stage, save_results
-from minivllm.bench.workloads import make_workload
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, results_table, run_stage, save_results
+from minivllm.course.bench.workloads import make_workload
 from minivllm.machine import environment
-from minivllm.plots.batching import plot_padded_mask, plot_waste_vs_batch_size
+from minivllm.course.plots.batching import plot_padded_mask, plot_waste_vs_batch_size
 from minivllm.stages import kv_cache, static_batch
-from minivllm.text import demo_prompts, show_sample
+from minivllm.course.text import demo_prompts, show_sample
 
 MASK_LENGTHS = [5, 2, 7]  # small enough to label every cell
 

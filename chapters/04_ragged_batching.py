@@ -13,15 +13,16 @@ from __future__ import annotations
 import torch
 from rich.progress import track
 
-from minivllm import load_tokenizer, plots
+from minivllm import load_tokenizer
+from minivllm.course import plots
 from minivllm.attention.masks import block_diagonal_mask, padded_causal_mask
-from minivllm.bench.harness import (chapter_parser, console, format_bytes, load_for_chapter, results_table, run_stage,
+from minivllm.course.bench.harness import (chapter_parser, console, format_bytes, load_for_chapter, results_table, run_stage,
                                     save_results)
-from minivllm.bench.workloads import make_workload
+from minivllm.course.bench.workloads import make_workload
 from minivllm.machine import environment
-from minivllm.plots.batching import plot_padded_vs_ragged, plot_ragged_vs_static
+from minivllm.course.plots.batching import plot_padded_vs_ragged, plot_ragged_vs_static
 from minivllm.stages import kv_cache, ragged_batch, static_batch
-from minivllm.text import demo_prompts, show_sample
+from minivllm.course.text import demo_prompts, show_sample
 
 MASK_LENGTHS = [5, 2, 7]  # the same prompts as chapter 3's picture
 

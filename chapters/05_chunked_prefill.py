@@ -17,18 +17,19 @@ import torch
 from rich.progress import track
 from rich.table import Table
 
-from minivllm import load_tokenizer, plots
+from minivllm import load_tokenizer
+from minivllm.course import plots
 from minivllm.attention.masks import chunk_mask
-from minivllm.bench.harness import (StageResult, chapter_parser, console, load_for_chapter, results_table,
+from minivllm.course.bench.harness import (StageResult, chapter_parser, console, load_for_chapter, results_table,
                                     save_results, useful_tokens)
-from minivllm.bench.workloads import Workload, make_workload
+from minivllm.course.bench.workloads import Workload, make_workload
 from minivllm.machine import environment, synchronize
 from minivllm.model import Decoder
-from minivllm.plots.batching import plot_chunk_masks, plot_chunk_sweep
+from minivllm.course.plots.batching import plot_chunk_masks, plot_chunk_sweep
 from minivllm.stages import chunked_prefill, kv_cache, ragged_batch
 from minivllm.stages.common import StageStats
 from minivllm.stages.ragged_batch import Step
-from minivllm.text import encode_or_random, random_prompts, show_sample
+from minivllm.course.text import encode_or_random, random_prompts, show_sample
 
 TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Print every file under the folders named in argv.\"\"\"\n"
 

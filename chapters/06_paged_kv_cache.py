@@ -16,15 +16,16 @@ import torch
 from rich.progress import Progress
 from rich.table import Table
 
-from minivllm import load_tokenizer, plots
-from minivllm.bench.harness import chapter_parser, console, format_bytes, load_for_chapter, save_results
-from minivllm.bench.kv_memory import compare
-from minivllm.bench.workloads import make_workload
+from minivllm import load_tokenizer
+from minivllm.course import plots
+from minivllm.course.bench.harness import chapter_parser, console, format_bytes, load_for_chapter, save_results
+from minivllm.course.bench.kv_memory import compare
+from minivllm.course.bench.workloads import make_workload
 from minivllm.machine import environment, synchronize
-from minivllm.plots.paging import plot_block_tables, plot_kv_utilisation
+from minivllm.course.plots.paging import plot_block_tables, plot_kv_utilisation
 from minivllm.stages import kv_cache, paged
 from minivllm.stages.common import StageStats
-from minivllm.text import DEMO_PROMPT, encode_or_random, random_prompts, show_sample
+from minivllm.course.text import DEMO_PROMPT, encode_or_random, random_prompts, show_sample
 
 PAPER = "vLLM paper (arXiv 2309.06180): reservation-based systems 20.4–38.2 % of KV memory used, paging < 4 % waste"
 

@@ -16,14 +16,15 @@ from __future__ import annotations
 import torch
 from rich.table import Table
 
-from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer, plots
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
-from minivllm.bench.online import latency_summary, serve_continuous, serve_static
-from minivllm.bench.workloads import make_workload
-from minivllm.engine.trace import PREEMPTED, TIMELINE_LABELS, Trace
+from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer
+from minivllm.course import plots
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.online import latency_summary, serve_continuous, serve_static
+from minivllm.course.bench.workloads import make_workload
+from minivllm.core.trace import PREEMPTED, TIMELINE_LABELS, Trace
 from minivllm.machine import environment
-from minivllm.plots.scheduling import plot_latency_vs_rate, plot_step_composition, plot_timeline
-from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
+from minivllm.course.plots.scheduling import plot_latency_vs_rate, plot_step_composition, plot_timeline
+from minivllm.course.text import DEMO_PROMPT, encode_or_random, show_sample
 
 # The traced run: a pool too small for everyone admitted to grow at once, so the newest
 # running request is preempted now and then (3 times with the default seed).
@@ -56,7 +57,7 @@ def timeline(model: torch.nn.Module, args) -> dict:
     work = make_workload("classroom", model.config.vocab_size, seed=args.seed, num_requests=12, rate=1 / ARRIVAL_GAP)
     arrival_step = [round(a) for a in work.arrivals]
     engine = LLMEngine(model, **TIMELINE_ENGINE)
-    engine.trace = trace = Trace()
+    engine.core.trace = trace = Trace()
     pending, step = list(range(len(work.prompts))), 0  # arrivals are in order
     while pending or engine.has_unfinished_requests():
         while pending and arrival_step[pending[0]] <= step:

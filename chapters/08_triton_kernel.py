@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from minivllm.bench.harness import chapter_parser, console, format_bytes
-from minivllm.bench.kernels import (BLOCK_SIZE, H100_SMS, HEAD_DIM, HEADS, KV_HEADS, TARGET, benchmark, decode_args,
+from minivllm.course.bench.harness import chapter_parser, console, format_bytes
+from minivllm.course.bench.kernels import (BLOCK_SIZE, H100_SMS, HEAD_DIM, HEADS, KV_HEADS, TARGET, benchmark, decode_args,
                                     make_decode_problem, one_layer_pool, reference_decode)
 
 # ------------------------------------------------------------------------------------------
@@ -42,8 +42,8 @@ from minivllm.bench.kernels import (BLOCK_SIZE, H100_SMS, HEAD_DIM, HEADS, KV_HE
 
 
 def narrate(kernels: Any, dtype: torch.dtype) -> None:
-    from minivllm import plots
-    from minivllm.plots.kernels import plot_paged_tiles
+    from minivllm.course import plots
+    from minivllm.course.plots.kernels import plot_paged_tiles
 
     batch, context = TARGET
     per_token = 2 * KV_HEADS * HEAD_DIM * dtype.itemsize
@@ -150,7 +150,7 @@ def main() -> None:
     if device.type == "cpu" and dtype == torch.bfloat16:
         parser.error("Triton's interpreter computes bfloat16 matmuls wrongly; use --dtype float32 on the CPU")
     from minivllm.attention import triton_kernels as kernels
-    from minivllm.bench.harness import save_results
+    from minivllm.course.bench.harness import save_results
     from minivllm.machine import environment
 
     narrate(kernels, dtype)

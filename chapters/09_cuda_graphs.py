@@ -25,17 +25,18 @@ import time
 import torch
 from rich.table import Table
 
-from minivllm import LLM, SamplingParams, load_tokenizer, plots
+from minivllm import LLM, SamplingParams, load_tokenizer
+from minivllm.course import plots
 from minivllm.attention.paged import PagedBatch
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
-from minivllm.bench.profiling import VARIANTS, profile_variants, variants_for
-from minivllm.engine.cuda_graphs import bucket_for, graph_batch_sizes
-from minivllm.engine.prepare import build_step_arrays, device_step, to_device
-from minivllm.engine.sequence import Sequence
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.profiling import VARIANTS, profile_variants, variants_for
+from minivllm.worker.cuda_graphs import bucket_for, graph_batch_sizes
+from minivllm.worker.prepare import build_step_arrays, device_step, to_device
+from minivllm.request.sequence import Sequence
 from minivllm.machine import device_name, environment, synchronize
-from minivllm.plots.lines import plot_series
-from minivllm.plots.profile import plot_step_breakdown, plot_step_timeline
-from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
+from minivllm.course.plots.lines import plot_series
+from minivllm.course.plots.profile import plot_step_breakdown, plot_step_timeline
+from minivllm.course.text import DEMO_PROMPT, encode_or_random, show_sample
 
 
 def same_tokens(model, tokenizer, variants: list[str]) -> dict[str, bool]:
@@ -68,7 +69,7 @@ def chapter7_prepare(seqs: list[Sequence], num_new: list[int], block_size: int, 
 
 
 def chapter9_prepare(seqs: list[Sequence], num_new: list[int], block_size: int, device: torch.device):
-    """Chapter 9's: NumPy arrays, one packed non-blocking copy (engine/prepare.py)."""
+    """Chapter 9's: NumPy arrays, one packed non-blocking copy (worker/prepare.py)."""
     arrays = build_step_arrays(seqs, num_new, block_size)
     return device_step(arrays, to_device(arrays.pack(), device))
 

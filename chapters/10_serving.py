@@ -21,7 +21,7 @@ that run until their longest request is done (`minivllm serve --scheduler static
   benchmarks/results/10_serving_chapter_<device>.json and figures/10_chapter_latency_vs_concurrency[_gpu].png.
 On a CPU the default load test is small (about a minute), and its client shares this process
 (and Python's lock) with both servers. The chapter's full measurement runs every server in its
-own process: `minivllm bench-serve` (commands in minivllm/bench/load.py;
+own process: `minivllm bench-serve` (commands in minivllm/course/bench/load.py;
 benchmarks/results/10_serving_cpu.json, figures/10_latency_vs_concurrency.png).
 """
 from __future__ import annotations
@@ -40,14 +40,14 @@ from rich.table import Table
 from rich.text import Text
 
 from minivllm import LLMEngine, load_tokenizer
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
-from minivllm.bench.latency import PERCENTILES
-from minivllm.bench.load import SLO, bench_serve
-from minivllm.bench.workloads import WORKLOADS
-from minivllm.engine.config import kv_blocks_for_memory
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.latency import PERCENTILES
+from minivllm.course.bench.load import SLO, bench_serve
+from minivllm.course.bench.workloads import WORKLOADS
+from minivllm.config.engine import kv_blocks_for_memory
 from minivllm.machine import environment
-from minivllm.serving.threaded import running_server
-from minivllm.text import DEMO_PROMPT, encode_or_random
+from minivllm.entrypoints.openai.threaded import running_server
+from minivllm.course.text import DEMO_PROMPT, encode_or_random
 
 MODEL_NAME = "minivllm-chapter10"  # what requests name in "model"
 ENGINE = dict(block_size=16, max_num_batched_tokens=2048, max_num_seqs=256)  # `minivllm serve`'s defaults

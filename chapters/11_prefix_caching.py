@@ -34,14 +34,15 @@ import numpy as np
 import torch
 from rich.table import Table
 
-from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer, plots
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
-from minivllm.bench.online import latency_summary, serve_continuous
-from minivllm.bench.workloads import Workload, make_multi_turn_workload, make_shared_prefix_workload
-from minivllm.engine.trace import Trace
+from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer
+from minivllm.course import plots
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.online import latency_summary, serve_continuous
+from minivllm.course.bench.workloads import Workload, make_multi_turn_workload, make_shared_prefix_workload
+from minivllm.core.trace import Trace
 from minivllm.machine import device_name, environment, synchronize
-from minivllm.plots.prefix import plot_multi_turn, plot_prefix_sweep, plot_shared_blocks
-from minivllm.text import DEMO_PROMPTS, random_prompts, show_sample
+from minivllm.course.plots.prefix import plot_multi_turn, plot_prefix_sweep, plot_shared_blocks
+from minivllm.course.text import DEMO_PROMPTS, random_prompts, show_sample
 
 ENGINE = dict(block_size=16, max_num_batched_tokens=2048, max_num_seqs=256)
 SETTINGS = {"caching on": True, "caching off": False}
@@ -174,8 +175,8 @@ def shared_blocks(model) -> tuple[dict, plots.Figure]:
         engine.add_request(prompt=system + users[i], params=greedy(6), request_id=f"request {i}")
     for _ in range(3):  # admission (with the cached prefix) and two decode steps
         engine.step()
-    manager = engine.block_manager
-    running = engine.scheduler.running
+    manager = engine.core.block_manager
+    running = engine.core.scheduler.running
     tables = {s.request_id: list(s.block_table) for s in running}
     held = {s.request_id: s.num_computed_tokens for s in running}
     full = len(system) // block_size

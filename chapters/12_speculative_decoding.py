@@ -6,7 +6,7 @@
 
 On a GPU (the Qwen3-0.6B shape, random weights: only the verify-step cost means anything there):
     python chapters/12_speculative_decoding.py --device cuda --model minivllm/configs/qwen3-0.6b.json
-The GPU runbook's part (bench.speculation.gpu_runbook: verify / decode with both replayed from
+The GPU runbook's part (course.bench.speculation.gpu_runbook: verify / decode with both replayed from
 graphs and the eager verify beside them, on that shape; then the embedded model's n-gram speed-up
 at batch 1, fp32, tokens checked identical; JSON 12_speculative_decoding_runbook_cuda.json, figure
 12_verify_graphs_cuda.png). On a CPU the same command is a dry run (EagerGraph, small sizes):
@@ -30,15 +30,16 @@ import time
 import torch
 from rich.table import Table
 
-from minivllm import DRAFT_MODEL, LLM, EngineConfig, load_model, load_tokenizer, plots
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
-from minivllm.bench.speculation import (acceptance_sweep, batch_sweep, code_prompts, gpu_runbook, greedy,
+from minivllm import DRAFT_MODEL, LLM, EngineConfig, load_model, load_tokenizer
+from minivllm.course import plots
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.speculation import (acceptance_sweep, batch_sweep, code_prompts, gpu_runbook, greedy,
                                         method_config, run_generation, verify_cost)
-from minivllm.engine.trace import Trace
+from minivllm.core.trace import Trace
 from minivllm.machine import device_name, environment
-from minivllm.plots.lines import plot_series
-from minivllm.plots.speculation import VerifiedRow, plot_acceptance_vs_k, plot_speedup_vs_batch, plot_verify_step
-from minivllm.text import show_sample
+from minivllm.course.plots.lines import plot_series
+from minivllm.course.plots.speculation import VerifiedRow, plot_acceptance_vs_k, plot_speedup_vs_batch, plot_verify_step
+from minivllm.course.text import show_sample
 
 SWEEP_PROMPTS = 4  # prompts of each kind of code in the sweeps
 
@@ -59,13 +60,13 @@ def one_step(model, tokenizer, draft, k: int) -> list[VerifiedRow]:
     prompts = code_prompts(tokenizer, "repetitive", 2, 120) + code_prompts(tokenizer, "ordinary", 1, 120)
     llm = LLM(model, tokenizer=tokenizer, block_size=2, speculative_config=method_config("draft", k, draft))
     engine, decode = llm.engine, lambda t: repr(tokenizer.decode([t]))[1:-1] or "·"
-    engine.trace = Trace()
+    engine.core.trace = Trace()
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt=prompt, params=greedy(40), request_id=f"request {i}")
     while engine.has_unfinished_requests():
-        before = {s.request_id: (s.num_computed_tokens, s.token_ids[-1]) for s in engine.scheduler.running}
+        before = {s.request_id: (s.num_computed_tokens, s.token_ids[-1]) for s in engine.core.scheduler.running}
         outputs = {o.request_id: o.outputs[0].token_ids for o in engine.step()}
-        record, size = engine.trace.steps[-1], engine.config.block_size
+        record, size = engine.core.trace.steps[-1], engine.config.block_size
         frees = any(-(-(before[r][0] + 1 + len(g)) // size) > -(-(before[r][0] + 1 + record.accepted[r]) // size)
                     for r, g in record.drafts.items())
         if len(record.drafts) >= 2 and frees:
@@ -121,7 +122,7 @@ def verify_costs(model, k: int, batches: list[int]) -> tuple[list[dict], plots.F
 
 
 def runbook(args) -> None:
-    """The GPU runbook's part: bench.speculation.gpu_runbook, its tables, its figure and JSON."""
+    """The GPU runbook's part: course.bench.speculation.gpu_runbook, its tables, its figure and JSON."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device == "cuda"
     sizes = [1, 4, 16, 64, 128, 256] if on_gpu else args.batches

@@ -29,11 +29,12 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from minivllm import LLM, SamplingParams, StructuredOutputsParams, load_tokenizer, plots
-from minivllm.bench import structured
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm import LLM, SamplingParams, StructuredOutputsParams, load_tokenizer
+from minivllm.course import plots
+from minivllm.course.bench import structured
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
 from minivllm.machine import device_name, environment
-from minivllm.plots.structured import plot_bitmask_steps, plot_finish_rates, plot_mask_cost, plot_validity
+from minivllm.course.plots.structured import plot_bitmask_steps, plot_finish_rates, plot_mask_cost, plot_validity
 
 PICTURE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "admin": {"type": "boolean"}},
                   "required": ["name", "admin"]}

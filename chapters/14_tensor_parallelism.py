@@ -26,15 +26,16 @@ import numpy as np
 import torch
 from rich.table import Table
 
-from minivllm import LLM, SamplingParams, load_tokenizer, plots
-from minivllm.bench.harness import chapter_parser, console, format_bytes, load_for_chapter, save_results
-from minivllm.bench.tensor_parallel import compare_sizes, fixed_workload, shard_layout
-from minivllm.bench.tp_cost import (GPU, LINKS, allreduce_bytes_per_token_per_layer, copies_or_splits, model_shapes,
+from minivllm import LLM, SamplingParams, load_tokenizer
+from minivllm.course import plots
+from minivllm.course.bench.harness import chapter_parser, console, format_bytes, load_for_chapter, save_results
+from minivllm.course.bench.tensor_parallel import compare_sizes, fixed_workload, shard_layout
+from minivllm.course.bench.tp_cost import (GPU, LINKS, allreduce_bytes_per_token_per_layer, copies_or_splits, model_shapes,
                                     speedup_grid)
 from minivllm.distributed.shard import check_shardable
 from minivllm.machine import device_name, environment
-from minivllm.plots.parallel import plot_copies_or_splits_cost, plot_sharded_layer, plot_step_split, plot_tp_cost
-from minivllm.text import DEMO_PROMPTS, encode_or_random, show_sample
+from minivllm.course.plots.parallel import plot_copies_or_splits_cost, plot_sharded_layer, plot_step_split, plot_tp_cost
+from minivllm.course.text import DEMO_PROMPTS, encode_or_random, show_sample
 
 ENGINE = dict(block_size=16, num_kv_blocks=256, enable_prefix_caching=False)  # every request fits: no preemption
 BATCHES = [1, 4, 16, 64, 256, 1024]
@@ -64,7 +65,7 @@ def sample(model, tokenizer, new_tokens: int) -> dict:
         llm = LLM(model, tokenizer=tokenizer, tensor_parallel_size=n, **ENGINE)
         outputs[n] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if n > 1:
-            llm.engine.runner.shutdown()
+            llm.engine.core.runner.shutdown()
     show_sample(tokenizer, prompts[0], outputs[2][0], "tensor_parallel_size=2")
     same = outputs[1] == outputs[2]
     console.print(f"same tokens on 1 and 2 processes: {'✓' if same else '✗'}")

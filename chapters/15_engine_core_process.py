@@ -7,7 +7,7 @@ an output processor, and runs the core in a process of its own (ZMQ + msgspec): 
 nothing but schedule -> run -> sample and sends each step's new token ids; the frontend does
 HTTP, text and SSE meanwhile.
 
-This script: a sample through the split engine, then the measurement of minivllm/bench/
+This script: a sample through the split engine, then the measurement of minivllm/course/bench/
 split_serving.py (both servers as `minivllm serve` processes, the load generator as a
 `minivllm bench-serve` process, the engine offline on the same requests), which writes
 benchmarks/results/15_core_process_cpu.json and figures/15_latency_vs_users.png.
@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from minivllm import LLMEngine, SamplingParams
-from minivllm.bench.split_serving import USERS, measure
+from minivllm.course.bench.split_serving import USERS, measure
 
 console = Console()
 

@@ -5,13 +5,13 @@
 
 - checks that async_scheduling=True gives the synchronous engine's tokens on the chapter's model
   (the demo prompt and a few random ones, with a stop token so that requests end early);
-- on a CPU, shows the mechanism with a stand-in device (minivllm/bench/overlap.py): every step
+- on a CPU, shows the mechanism with a stand-in device (minivllm/course/bench/overlap.py): every step
   keeps it busy for a fixed time on a thread that sleeps, as a GPU computes while the host goes
   on; the engine's own host work is real. A table and figures/16_overlap.png: the synchronous
   step takes host + device, the overlapped one max(host, device);
 - on a GPU (--device cuda --model minivllm/configs/qwen3-0.6b.json --batch-size 256 --context 600)
   also profiles real decode steps with and without async scheduling: step time against GPU
-  busy time (the target: step <= 1.15x busy), bench/overlap.gpu_overlap, and the step timelines before
+  busy time (the target: step <= 1.15x busy), course/bench/overlap.gpu_overlap, and the step timelines before
   and after (figures/16_step_timeline_cuda.png).
 JSON: benchmarks/results/16_async_scheduling_<device>.json. The persistent batch's host time is
 benchmarks/host_step.py's (--baseline REV --results 16_host_step_cpu).
@@ -25,13 +25,14 @@ import time
 import torch
 from rich.table import Table
 
-from minivllm import LLM, SamplingParams, load_tokenizer, plots
-from minivllm.bench.harness import chapter_parser, console, load_for_chapter, save_results
-from minivllm.bench.overlap import gpu_overlap, overlap_table
+from minivllm import LLM, SamplingParams, load_tokenizer
+from minivllm.course import plots
+from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.overlap import gpu_overlap, overlap_table
 from minivllm.machine import device_name, environment
-from minivllm.plots.overlap import plot_overlap
-from minivllm.plots.profile import plot_step_timeline
-from minivllm.text import DEMO_PROMPT, encode_or_random, show_sample
+from minivllm.course.plots.overlap import plot_overlap
+from minivllm.course.plots.profile import plot_step_timeline
+from minivllm.course.text import DEMO_PROMPT, encode_or_random, show_sample
 
 
 def same_tokens(model, tokenizer) -> dict:

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from minivllm.config import ModelConfig
-from minivllm.model import Decoder, RotaryEmbedding
+from minivllm.model import Decoder, ModelConfig, RotaryEmbedding
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 DRAFT_MODEL = Path(__file__).parent / "draft_model"  # same tokenizer, ~1M parameters: speculative decoding

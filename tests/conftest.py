@@ -16,15 +16,15 @@ import torch
 from tiny_models import CHAT_TEMPLATE, CONFIGS, hf_greedy, tiny_hf_model
 
 import minivllm
-from minivllm.exercises import prerequisite_note
+from minivllm.course.exercises import prerequisite_note
 
 torch.set_num_threads(1)  # tiny models gain nothing from a second thread; a shared machine loses a lot
 
 
 # Engine defaults that a later chapter turned on: chapter -> (module, name, the value before it).
 # Before chapter 11 the engine has no prefix cache, whose exercises a student meets in chapter 11.
-LATER_DEFAULTS = {"ch11": ("minivllm.engine.config", "PREFIX_CACHING_DEFAULT", False),
-                  "ch16": ("minivllm.engine.config", "PERSISTENT_BATCH_DEFAULT", False)}
+LATER_DEFAULTS = {"ch11": ("minivllm.config.engine", "PREFIX_CACHING_DEFAULT", False),
+                  "ch16": ("minivllm.config.engine", "PERSISTENT_BATCH_DEFAULT", False)}
 
 
 def chapters_of(node: pytest.Item | pytest.Collector) -> list[str]:

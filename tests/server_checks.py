@@ -14,8 +14,8 @@ import httpx
 import openai
 
 from minivllm import LLMEngine
-from minivllm.serving import threaded
-from minivllm.serving.sse import DONE
+from minivllm.entrypoints.openai import threaded
+from minivllm.entrypoints.openai.sse import DONE
 
 MODEL = "tiny-server"
 ENGINE = dict(num_kv_blocks=512, max_num_seqs=128)  # 8,192 KV slots: plenty for these tests, 32 MiB

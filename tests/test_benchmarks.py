@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tiny_models import run_script
 
-from minivllm.bench.peers import continuous_batching_unavailable
+from minivllm.course.bench.peers import continuous_batching_unavailable
 
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "continuous_vs_transformers.py"
 

@@ -12,8 +12,8 @@ from tiny_models import raises_runtime_error, reference_attention
 
 import minivllm
 from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch, gather_kv, paged_decode, slot_mapping
-from minivllm.bench.kv_memory import compare
-from minivllm.engine.block_manager import BlockManager
+from minivllm.course.bench.kv_memory import compare
+from minivllm.core.block_manager import BlockManager
 from minivllm.stages import paged
 from minivllm.stages.common import StageStats
 
@@ -308,7 +308,7 @@ def test_what_notebook_6_says_about_the_classroom_budget():
     about as many requests at once as caches sized to each request; only with preemption do
     more requests run at once, in fewer steps. (4,096: the default model's vocabulary, which
     the notebook's workload is drawn with.)"""
-    from minivllm.bench.workloads import make_workload
+    from minivllm.course.bench.workloads import make_workload
 
     workload = make_workload("classroom", 4096, seed=0)
     t = compare([len(p) for p in workload.prompts], workload.output_lens, budget=4096, block_size=16, max_model_len=512)

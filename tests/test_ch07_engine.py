@@ -11,7 +11,7 @@ import pytest
 from tiny_models import raises_runtime_error, random_prompts
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_model
-from minivllm.engine.trace import Trace
+from minivllm.core.trace import Trace
 from minivllm.stages import STAGES
 from minivllm.stages.common import StageStats
 
@@ -54,7 +54,7 @@ def test_greedy_matches_transformers_under_starvation(model, hf_model, reference
             first_chunk.setdefault(rid, n)
     assert any(n < len(PROMPTS[int(rid)]) for rid, n in first_chunk.items()), "no prompt was chunked"
     assert all(s.num_tokens <= STARVED["max_num_batched_tokens"] for s in steps)
-    assert llm.engine.block_manager.num_free == STARVED["num_kv_blocks"]
+    assert llm.engine.core.block_manager.num_free == STARVED["num_kv_blocks"]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -62,23 +62,23 @@ def test_scheduler_invariants_under_random_arrivals(qwen3, reference, seed):
     model, hf_model = qwen3
     engine = LLMEngine(model, block_size=4, num_kv_blocks=16,
                        max_num_batched_tokens=16, max_num_seqs=5)
-    engine.trace = Trace()
+    engine.core.trace = Trace()
     rng = random.Random(seed)
     prompts = random_prompts([rng.randint(1, 30) for _ in range(10)], seed=seed)
     lengths = [rng.randint(4, 24) for _ in prompts]
     arrival_step = sorted(rng.randint(0, 40) for _ in prompts)
-    manager, tokens, first_scheduled = engine.block_manager, {}, []
+    manager, tokens, first_scheduled = engine.core.block_manager, {}, []
     for step in range(2000):
         for i, arrive in enumerate(arrival_step):
             if arrive == step:
                 engine.add_request(prompt=prompts[i], params=SamplingParams(max_tokens=lengths[i], **GREEDY), request_id=str(i))
-        done_before = len(engine.trace.steps)
+        done_before = len(engine.core.trace.steps)
         for out in engine.step():
             tokens[int(out.request_id)] = out.outputs[0].token_ids
-        for record in engine.trace.steps[done_before:]:
+        for record in engine.core.trace.steps[done_before:]:
             assert record.num_tokens <= 16
             first_scheduled += [int(r) for r in [*record.prefill, *record.decode] if int(r) not in first_scheduled]
-        running, waiting = engine.scheduler.running, engine.scheduler.waiting
+        running, waiting = engine.core.scheduler.running, engine.core.scheduler.waiting
         assert len(running) <= 5
         owned = [b for seq in running for b in seq.block_table]
         assert len(owned) == len(set(owned)) and not set(owned) & set(manager.free)  # each block has one owner
@@ -90,7 +90,7 @@ def test_scheduler_invariants_under_random_arrivals(qwen3, reference, seed):
         pytest.fail("some request starved: the engine never emptied")
     assert first_scheduled == sorted(first_scheduled)  # first come, first served
     assert manager.num_free == manager.num_blocks
-    assert engine.trace.num_preemptions > 0
+    assert engine.core.trace.num_preemptions > 0
     assert [tokens[i] for i in range(len(prompts))] == [reference(hf_model, p, n) for p, n in zip(prompts, lengths)]
 
 
@@ -178,7 +178,7 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(qwen3, reference, bad
     with pytest.raises(ValueError):
         llm.generate([good, BAD_PROMPTS[bad], good], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()  # the good prompts before it were taken back
-    assert llm.engine.block_manager.num_free == 6
+    assert llm.engine.core.block_manager.num_free == 6
     out = llm.generate(good, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference(hf_model, good, 5)
 
@@ -230,12 +230,12 @@ def test_abort_frees_blocks_and_spares_the_others(qwen3, reference):
         outputs += engine.step()
     assert {o.request_id for o in outputs} == {"keep"}
     assert outputs[-1].outputs[0].token_ids == reference(hf_model, PROMPTS[0], 12)
-    assert engine.block_manager.num_free == 32
+    assert engine.core.block_manager.num_free == 32
 
 
 def test_online_simulation_continuous_vs_static(qwen3):
-    from minivllm.bench.online import latency_summary, serve_continuous, serve_static
-    from minivllm.bench.workloads import Workload
+    from minivllm.course.bench.online import latency_summary, serve_continuous, serve_static
+    from minivllm.course.bench.workloads import Workload
 
     work = Workload("four at once", PROMPTS[:4], [6, 2, 5, 3], arrivals=[0.0] * 4)
     engine = LLMEngine(qwen3[0], max_num_seqs=4)
@@ -249,7 +249,7 @@ def test_online_simulation_continuous_vs_static(qwen3):
     assert min(t.token_times[0] for t in in_pairs[2:]) > max(t.token_times[-1] for t in in_pairs[:2])
     summary = latency_summary(together)
     assert summary["ttft"]["p50"] <= summary["e2e"]["p50"] and summary["throughput"]["useful_tokens_per_second"] > 0
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 def test_metrics_time_the_first_token_and_the_finish(qwen3):
@@ -275,7 +275,8 @@ def test_metrics_time_the_first_token_and_the_finish(qwen3):
 def test_a_schedule_that_plans_nothing_fails_at_once_instead_of_hanging(qwen3, monkeypatch):
     """A wrong Scheduler.schedule that grants no token (and preempts nobody) while requests wait
     must stop the engine with an error, not leave LLM.generate stepping forever."""
-    from minivllm.engine.scheduler import Scheduler, SchedulerOutput
+    from minivllm.core.scheduler import Scheduler
+    from minivllm.request.sequence import SchedulerOutput
 
     monkeypatch.setattr(Scheduler, "schedule", lambda self: SchedulerOutput())
     with raises_runtime_error("schedule"):

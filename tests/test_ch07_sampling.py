@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.sampler import Sampler, filter_logits
-from minivllm.engine.sequence import Sequence
+from minivllm.worker.sampler import Sampler, filter_logits
+from minivllm.request.sequence import Sequence
 
 pytestmark = pytest.mark.ch07
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 
 from minivllm import SamplingParams
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.scheduler import Scheduler, SchedulerOutput
-from minivllm.engine.sequence import Sequence, Status
+from minivllm.core.block_manager import BlockManager
+from minivllm.core.scheduler import Scheduler
+from minivllm.request.sequence import SchedulerOutput
+from minivllm.request.sequence import Sequence, Status
 
 pytestmark = pytest.mark.ch07
 

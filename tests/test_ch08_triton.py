@@ -319,7 +319,7 @@ PROMPTS, LENGTHS = [[5, 17, 9, 30, 12, 23, 3, 41, 7, 66, 2], [88, 4], [19, 60, 3
 
 
 def test_engine_refuses_triton_before_allocating_its_kv_pool(kernels, model, monkeypatch):
-    from minivllm.engine import model_runner
+    from minivllm.worker import model_runner
     from minivllm.engine.llm_engine import LLMEngine
 
     def no_pool(*args):

@@ -20,7 +20,7 @@ from torch import nn
 
 from minivllm.attention.dense import attend
 from minivllm.attention.masks import causal_mask
-from minivllm.config import ModelConfig
+from minivllm.model import ModelConfig
 from minivllm.fused import check_fused_ops, fused_forward, merge_projections, rope_cos_sin_table
 from minivllm.model import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
 
@@ -281,14 +281,14 @@ def test_replayed_decode_steps_with_fused_ops_and_triton_attention(kernels, qwen
     buckets with padding rows, block tables and the decode grid sized for max_model_len, far
     longer than these sequences; the fused forward and Triton attention inside."""
     from minivllm import LLM, SamplingParams
-    from minivllm.engine.cuda_graphs import EagerGraph
-    from minivllm.engine.model_runner import ModelRunner
+    from minivllm.worker.cuda_graphs import EagerGraph
+    from minivllm.worker.model_runner import ModelRunner
 
     llm = LLM(qwen3_model, attention="triton", fused_ops=True, block_size=4, num_kv_blocks=40, max_num_seqs=4)
     engine = llm.engine
-    engine.runner = ModelRunner(engine.model, dataclasses.replace(engine.config, cuda_graphs=True), graph_class=EagerGraph)
-    replayed, replay = [], engine.runner.graphs.replay
-    engine.runner.graphs.replay = lambda size, num_seqs: replayed.append(num_seqs) or replay(size, num_seqs)
+    engine.core.runner = ModelRunner(engine.model, dataclasses.replace(engine.config, cuda_graphs=True), graph_class=EagerGraph)
+    replayed, replay = [], engine.core.runner.graphs.replay
+    engine.core.runner.graphs.replay = lambda size, num_seqs: replayed.append(num_seqs) or replay(size, num_seqs)
     prompts, lengths = random_prompts([6, 2, 9], seed=11), [5, 3, 4]  # 3 sequences: the 4-row bucket pads one
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -19,9 +19,9 @@ import torch
 from tiny_models import make_seq, random_prompts, run_script
 
 from minivllm import LLM, LLMEngine, SamplingParams
-from minivllm.engine.cuda_graphs import CudaGraph, EagerGraph, GraphRunner, bucket_for, graph_batch_sizes
-from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.prepare import build_step_arrays
+from minivllm.worker.cuda_graphs import CudaGraph, EagerGraph, GraphRunner, bucket_for, graph_batch_sizes
+from minivllm.worker.model_runner import ModelRunner
+from minivllm.worker.prepare import build_step_arrays
 
 pytestmark = pytest.mark.ch09
 
@@ -96,12 +96,12 @@ def with_graphs(llm: LLM, **options) -> LLM:
     """Swap the engine's runner for one that replays decode steps from graphs: captured ones on
     CUDA, the stand-in on a CPU (the runner chooses by the model's device)."""
     engine = llm.engine
-    runner = engine.runner
+    runner = engine.core.runner
     config = dataclasses.replace(engine.config, cuda_graphs=True, **options)
-    engine.runner = ModelRunner(engine.model, config)
-    assert runner.pool.k.shape == engine.runner.pool.k.shape
+    engine.core.runner = ModelRunner(engine.model, config)
+    assert runner.pool.k.shape == engine.core.runner.pool.k.shape
     expected = CudaGraph if engine.model.device.type == "cuda" else EagerGraph
-    assert {type(g) for g in engine.runner.graphs.graphs.values()} == {expected}
+    assert {type(g) for g in engine.core.runner.graphs.graphs.values()} == {expected}
     return llm
 
 
@@ -109,7 +109,7 @@ def test_the_graph_class_follows_the_pool_device(qwen3_model):
     """A CUDA graph of CPU tensors records nothing and replays nothing: CPU pools get EagerGraph,
     and CudaGraph, asked for by name, refuses them."""
     llm = with_graphs(LLM(qwen3_model, max_num_seqs=4))
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     with pytest.raises(ValueError, match="EagerGraph"):
         GraphRunner(runner.forward, runner.pool, runner.attention_class, 4, 64, graph_class=CudaGraph)
 
@@ -119,7 +119,7 @@ def test_a_replayed_step_writes_only_the_columns_it_uses(qwen3_model):
     Qwen3-0.6B); a step copies its tables, only as wide as its longest, in its one packed copy
     and writes them into the first columns of its rows: the rest keep what was there."""
     llm = with_graphs(LLM(qwen3_model, max_num_seqs=8, max_model_len=256, block_size=4, num_kv_blocks=64))
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.core.runner.graphs
     assert graphs.tables.shape == (8, 64)
     seqs = [make_seq(str(i), list(range(5 + 2 * i)), 4 + 2 * i, list(range(3 * i, 3 * i + 2 + i // 2)))
             for i in range(5)]
@@ -159,13 +159,13 @@ LENGTHS = [12, 8, 15, 10, 14, 9, 20, 6, 11]
 ], ids=["roomy", "starved"])
 def test_graph_replay_gives_transformers_tokens(model, hf_model, reference, settings):
     llm = with_graphs(LLM(model, **settings))
-    counter = CountingReplays(llm.engine.runner)
+    counter = CountingReplays(llm.engine.core.runner)
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in LENGTHS]
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == [reference(hf_model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
     assert sum(counter.counts.values()) > 0, "no decode step replayed a graph"
     assert len(counter.counts) > 2, f"only buckets {sorted(counter.counts)} were used"
-    assert llm.engine.block_manager.num_free == llm.engine.block_manager.num_blocks
+    assert llm.engine.core.block_manager.num_free == llm.engine.core.block_manager.num_blocks
 
 
 def test_graphs_and_eager_steps_agree_on_sampled_tokens(qwen3_model):
@@ -187,7 +187,7 @@ def test_engine_switches_are_validated(qwen3_model):
         with pytest.raises(ValueError, match="CUDA"):
             LLMEngine(qwen3_model, cuda_graphs=True)
     engine = LLMEngine(qwen3_model)  # on a CPU the defaults are chapter 7's engine: eager, plain PyTorch
-    assert engine.runner.graphs is None and engine.runner.forward is qwen3_model
+    assert engine.core.runner.graphs is None and engine.core.runner.forward is qwen3_model
 
 
 @pytest.mark.parametrize("name, value", [
@@ -214,7 +214,7 @@ def test_captured_graphs_give_transformers_tokens(hf_models, reference, settings
     model = load_model(hf_models["qwen3"], device="cuda", dtype=torch.float32)
     llm = with_graphs(LLM(model, attention="triton", cuda_graphs=False, fused_ops=False, async_scheduling=False,
                           **settings))  # chapter 9's engine: synchronous steps
-    counter = CountingReplays(llm.engine.runner)
+    counter = CountingReplays(llm.engine.core.runner)
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in LENGTHS]
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == [reference(hf_models["qwen3"], p, n) for p, n in zip(PROMPTS, LENGTHS)]
@@ -244,9 +244,9 @@ def test_a_step_never_waits_for_the_gpu_before_reading_its_tokens(hf_models, sam
 
     model = load_model(hf_models["qwen3"], device="cuda")
     engine = LLMEngine(model, max_num_seqs=8, max_model_len=128)
-    assert engine.runner.graphs is not None
-    engine.runner.run = strict(engine.runner.run)
-    engine.sampler.sample_rows = strict(engine.sampler.sample_rows)  # everything but the tokens' .tolist()
+    assert engine.core.runner.graphs is not None
+    engine.core.runner.run = strict(engine.core.runner.run)
+    engine.core.sampler.sample_rows = strict(engine.core.sampler.sample_rows)  # everything but the tokens' .tolist()
     for i, prompt in enumerate(PROMPTS[:5]):
         params = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=i if i % 2 else None,
                                 ignore_eos=True) if sampled else SamplingParams(max_tokens=6, **GREEDY)

@@ -20,10 +20,10 @@ from transformers.generation.logits_process import MinPLogitsWarper, RepetitionP
 import minivllm
 from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from minivllm.engine.penalties import apply_penalties
-from minivllm.engine.sampler import Sampler, apply_min_p
-from minivllm.engine.sampling_params import RequestOutputKind
-from minivllm.engine.sequence import Sequence
+from minivllm.worker.penalties import apply_penalties
+from minivllm.worker.sampler import Sampler, apply_min_p
+from minivllm.request.sampling_params import RequestOutputKind
+from minivllm.request.sequence import Sequence
 
 pytestmark = pytest.mark.ch10
 
@@ -350,7 +350,7 @@ def test_aborting_an_n_request_frees_every_block_and_spares_the_others(qwen3, re
     engine.add_request(prompt=PROMPTS[0], params=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), request_id="keep")
     for _ in range(3):
         engine.step()
-    children = engine.requests["many"].seqs
+    children = engine.core.requests["many"].seqs
     assert all(seq.block_table for seq in children)
     engine.abort_request("many")
     assert all(seq.finish_reason == "abort" and not seq.block_table for seq in children)
@@ -359,7 +359,7 @@ def test_aborting_an_n_request_frees_every_block_and_spares_the_others(qwen3, re
         outputs += engine.step()
     assert {o.request_id for o in outputs} == {"keep"}
     assert outputs[-1].outputs[0].token_ids == reference(hf_model, PROMPTS[0], 12)
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 def test_a_request_finishes_when_all_its_completions_do(qwen3):

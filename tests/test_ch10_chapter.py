@@ -12,8 +12,8 @@ import httpx
 import pytest
 from tiny_models import run_script
 
-from minivllm.bench.workloads import make_workload
-from minivllm.text import DEMO_PROMPT, encode_or_random
+from minivllm.course.bench.workloads import make_workload
+from minivllm.course.text import DEMO_PROMPT, encode_or_random
 
 pytestmark = pytest.mark.ch10
 

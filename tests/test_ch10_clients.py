@@ -25,11 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minivllm import DEFAULT_MODEL, LLM, LLMEngine, SamplingParams, load_tokenizer
-from minivllm.engine.outputs import CompletionOutput, RequestOutput
-from minivllm.serving import threaded
-from minivllm.serving.auth import APIKeyMiddleware
-from minivllm.serving.responses import Echo
-from minivllm.serving.sse import Chunks, stream_events
+from minivllm.request.outputs import CompletionOutput, RequestOutput
+from minivllm.entrypoints.openai import threaded
+from minivllm.entrypoints.openai.auth import APIKeyMiddleware
+from minivllm.entrypoints.openai.responses import Echo
+from minivllm.entrypoints.openai.sse import Chunks, stream_events
 
 pytestmark = pytest.mark.ch10
 
@@ -167,7 +167,7 @@ def test_a_batch_refused_halfway_takes_back_the_prompts_already_queued(default_m
         assert response.status_code == 503 and "max_waiting" in response.json()["error"]["message"]
         counts = finished_counts(http)
         assert counts["length"] == 0 and counts["abort"] in (2, 3) and counts["tokens"] < 400
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
         assert http.post("/v1/completions", json=body | {"prompt": IDS[:2], "max_tokens": 2}).status_code == 200
 
 
@@ -185,7 +185,7 @@ def test_disconnecting_from_a_streamed_batch_aborts_every_prompt(server):
         after = finished_counts(http)  # the connection is closed: the server must notice and abort all three
     assert after["abort"] - before["abort"] == len(IDS) and after["length"] == before["length"]
     assert after["tokens"] - before["tokens"] < 400 * 2 * len(IDS)
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 def test_interleaved_prompts_stream_under_their_choice_indices():
@@ -413,7 +413,7 @@ def test_api_key_closes_v1_and_leaves_health_and_metrics_open(default_model):
 
 
 def test_api_key_from_the_environment_variable(default_model, monkeypatch):
-    from minivllm.cli import build_parser, server_options
+    from minivllm.entrypoints.cli import build_parser, server_options
 
     monkeypatch.setenv("MINIVLLM_API_KEY", KEY)
     options = server_options(build_parser().parse_args(["serve"]))
@@ -437,7 +437,7 @@ def test_keys_are_compared_in_constant_time_on_digests(monkeypatch):
         compared.append((len(a), len(b)))
         return compare(a, b)
 
-    monkeypatch.setattr("minivllm.serving.auth.hmac.compare_digest", spy)
+    monkeypatch.setattr("minivllm.entrypoints.openai.auth.hmac.compare_digest", spy)
     middleware = APIKeyMiddleware(None, KEY)
 
     def scope(value: bytes | None) -> dict:
@@ -456,7 +456,7 @@ def test_keys_a_client_cannot_send_are_refused(default_model, bad):
 
 
 def test_serve_flags_reach_the_app():
-    from minivllm.cli import build_parser, server_options
+    from minivllm.entrypoints.cli import build_parser, server_options
 
     options = server_options(build_parser().parse_args(["serve", "--max-logprobs", "5", "--api-key", KEY,
                                                         "--scheduler", "static", "--static-batch-size", "4",

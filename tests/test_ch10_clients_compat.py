@@ -22,7 +22,7 @@ from server_checks import MODEL, TIMEOUT, answer, chunks_of, expect_status, metr
 from transformers import AutoModelForCausalLM
 
 from minivllm import DEFAULT_MODEL, LLMEngine, load_tokenizer
-from minivllm.serving import threaded
+from minivllm.entrypoints.openai import threaded
 
 pytestmark = pytest.mark.ch10
 
@@ -89,7 +89,7 @@ def test_vllm_extra_fields_do_what_they_say(server, tokenizer):
 
 
 def test_ignored_fields_are_named_in_a_warning(server, caplog):
-    with caplog.at_level(logging.WARNING, logger="minivllm.serving"):
+    with caplog.at_level(logging.WARNING, logger="minivllm.entrypoints.openai"):
         complete(server, store=True, service_tier="auto")
     assert any("ignored" in r.getMessage() and "service_tier" in r.getMessage() and "store" in r.getMessage()
                for r in caplog.records)

@@ -23,10 +23,10 @@ from server_checks import (ENGINE, MODEL, TIMEOUT, answer, chunks_of, error_even
                            running_server, wait_until_idle)
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_tokenizer
-from minivllm.bench.load import SLO, RequestResult, bench_serve, summarize
-from minivllm.engine.outputs import CompletionOutput, RequestOutput
-from minivllm.engine.trace import Trace
-from minivllm.serving.sse import DONE, Chunks, StreamState, new_deltas, sse, stream_events
+from minivllm.course.bench.load import SLO, RequestResult, bench_serve, summarize
+from minivllm.request.outputs import CompletionOutput, RequestOutput
+from minivllm.core.trace import Trace
+from minivllm.entrypoints.openai.sse import DONE, Chunks, StreamState, new_deltas, sse, stream_events
 
 pytestmark = pytest.mark.ch10
 
@@ -142,7 +142,7 @@ def test_disconnect_mid_stream_aborts_and_frees_every_kv_block(server, http):
         before.get("minivllm_requests_finished_total{finished_reason=abort}", 0) + 1
     assert after["minivllm_generation_tokens_total"] - before["minivllm_generation_tokens_total"] < 400
     assert after["minivllm_kv_cache_usage"] == 0
-    assert engine is None or engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert engine is None or engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
     expect_status(http.post("/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 2}))
 
 
@@ -255,7 +255,7 @@ def test_a_stream_that_fails_after_it_began_ends_with_an_error_event(default_mod
             assert len(events) <= 4 and all(len(e["choices"]) == 1 for e in events[:-1])
             assert STUB in error_event(events[-1])
     fresh = LLMEngine(default_model, tokenizer=chat_tokenizer, num_kv_blocks=64)
-    monkeypatch.setattr("minivllm.serving.sse.new_deltas", failing_after(0, None))  # fails in the event loop
+    monkeypatch.setattr("minivllm.entrypoints.openai.sse.new_deltas", failing_after(0, None))  # fails in the event loop
     with running_server(fresh) as (url, _):
         with pytest.raises(openai.APIError, match="Exercise ch99 broken_step"):
             list(openai_client(url).completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True))
@@ -263,7 +263,7 @@ def test_a_stream_that_fails_after_it_began_ends_with_an_error_event(default_mod
 
 def test_static_mode_runs_batches_that_never_mix(default_model, chat_tokenizer):
     engine = LLMEngine(default_model, tokenizer=chat_tokenizer, num_kv_blocks=64)
-    engine.trace = Trace()
+    engine.core.trace = Trace()
     lengths = [3, 9, 5, 7, 2]
     with running_server(engine, static_batch_size=2) as (url, _):
         async def send_all() -> list[tuple[str, dict]]:
@@ -274,7 +274,7 @@ def test_static_mode_runs_batches_that_never_mix(default_model, chat_tokenizer):
         results = asyncio.run(send_all())
     assert [usage["completion_tokens"] for _, usage in results] == lengths
     steps: dict[str, list[int]] = {}  # request id -> the steps it computed in
-    for record in engine.trace.steps:
+    for record in engine.core.trace.steps:
         for request_id in [*record.prefill, *record.decode]:
             steps.setdefault(request_id, []).append(record.step)
     spans = sorted((s[0], s[-1]) for s in steps.values())
@@ -478,8 +478,8 @@ def test_event_stream_framing():
 def test_serve_flags_reach_the_engine(tiny_checkpoint):
     """`minivllm serve` passes vLLM's --enforce-eager and --[no-]enable-prefix-caching through, and
     leaves the rest to the engine's own per-device choice."""
-    from minivllm.cli import build_parser, engine_options
-    from minivllm.engine.prefix_cache import PrefixCachingBlockManager
+    from minivllm.entrypoints.cli import build_parser, engine_options
+    from minivllm.core.prefix_cache import PrefixCachingBlockManager
 
     def options(*flags: str) -> dict:
         return engine_options(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), *flags]))
@@ -490,9 +490,9 @@ def test_serve_flags_reach_the_engine(tiny_checkpoint):
     assert options("--no-enable-prefix-caching")["enable_prefix_caching"] is False
     assert options("--enable-prefix-caching")["enable_prefix_caching"] is True
     engine = LLMEngine(str(tiny_checkpoint), **options("--no-enable-prefix-caching", "--device", "cpu"))
-    assert not isinstance(engine.block_manager, PrefixCachingBlockManager)
+    assert not isinstance(engine.core.block_manager, PrefixCachingBlockManager)
     engine = LLMEngine(str(tiny_checkpoint), **options("--device", "cpu"))
-    assert isinstance(engine.block_manager, PrefixCachingBlockManager)
+    assert isinstance(engine.core.block_manager, PrefixCachingBlockManager)
 
 
 def test_streamed_completion_logprobs_equal_the_whole_answers(http):

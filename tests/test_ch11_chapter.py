@@ -96,7 +96,7 @@ def test_shared_blocks_picture_counts_its_owners(payload):
 
 
 def test_workloads_share_what_they_say_and_refuse_bad_settings():
-    from minivllm.bench.workloads import make_multi_turn_workload, make_shared_prefix_workload
+    from minivllm.course.bench.workloads import make_multi_turn_workload, make_shared_prefix_workload
 
     work = make_shared_prefix_workload(97, prefix_len=20, num_requests=5, suffix=(3, 9), output=(2, 4), seed=1)
     system = work.prompts[0][:20]

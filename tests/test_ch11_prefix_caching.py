@@ -14,10 +14,10 @@ import torch
 from server_checks import ENGINE, MODEL, TIMEOUT, expect_status, running_server, wait_until_idle
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.prefix_cache import PrefixCachingBlockManager, block_hashes, hash_block
-from minivllm.engine.sequence import Sequence
-from minivllm.engine.trace import Trace
+from minivllm.core.block_manager import BlockManager
+from minivllm.core.prefix_cache import PrefixCachingBlockManager, block_hashes, hash_block
+from minivllm.request.sequence import Sequence
+from minivllm.core.trace import Trace
 from tiny_models import random_prompts
 
 pytestmark = pytest.mark.ch11
@@ -160,13 +160,13 @@ def test_eviction_takes_the_oldest_free_block_and_forgets_it():
 def check_invariants(engine: LLMEngine) -> None:
     """Reference counts match the live tables; free + owned = the pool; cached blocks are exactly
     the named ones; no block is free and owned at once."""
-    manager = engine.block_manager
-    tables = [seq.block_table for seq in engine.scheduler.running]
+    manager = engine.core.block_manager
+    tables = [seq.block_table for seq in engine.core.scheduler.running]
     holders = Counter(b for table in tables for b in table)
     assert all(manager.ref_counts[b] == holders.get(b, 0) for b in range(manager.num_blocks)), "ref counts"
     free, owned = set(manager.free), set(holders)
     assert not free & owned and len(free) + len(owned) == manager.num_blocks
-    assert all(not seq.block_table for seq in engine.scheduler.waiting), "waiting requests hold no blocks"
+    assert all(not seq.block_table for seq in engine.core.scheduler.waiting), "waiting requests hold no blocks"
     assert {manager.cached[h] for h in manager.block_hash.values()} == set(manager.block_hash)
     assert all(manager.block_hash[b] == h for h, b in manager.cached.items())
 
@@ -193,7 +193,7 @@ def test_greedy_tokens_match_transformers_under_starvation(model, hf_model, refe
     params = [SamplingParams(max_tokens=n, **GREEDY) for n in LENGTHS]
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference(hf_model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
-    manager = llm.engine.block_manager
+    manager = llm.engine.core.block_manager
     assert manager.num_free == STARVED["num_kv_blocks"]
     assert llm.trace.num_preemptions > 0, "the settings were meant to force preemption"
     if caching:
@@ -222,7 +222,7 @@ def test_cached_prefix_saves_the_work(qwen3_model, hf_models, reference):
 def test_invariants_under_random_add_step_abort(qwen3_model, hf_models, reference, seed):
     rng = random.Random(seed)
     engine = LLMEngine(qwen3_model, block_size=2, num_kv_blocks=16, max_num_batched_tokens=10, max_num_seqs=4)
-    engine.trace = Trace()
+    engine.core.trace = Trace()
     pool = [SYSTEM[:rng.randint(1, 13)] + random_prompts([rng.randint(0, 6)], seed=100 + i)[0] for i in range(12)]
     expected, got, aborted, added = {}, {}, set(), 0
     for step in range(400):
@@ -249,7 +249,7 @@ def test_invariants_under_random_add_step_abort(qwen3_model, hf_models, referenc
         prompt, n = expected[rid]
         assert tokens == reference(hf, prompt, n), rid
     assert set(got) | aborted == set(expected)
-    assert engine.block_manager.hit_tokens > 0 and engine.trace.num_preemptions > 0
+    assert engine.core.block_manager.hit_tokens > 0 and engine.core.trace.num_preemptions > 0
 
 
 def test_prompt_logprobs_are_computed_even_when_the_prompt_is_cached(qwen3_model, hf_models):
@@ -290,7 +290,7 @@ def test_hits_are_counted_once_per_admission_not_per_lookup(qwen3_model):
     back each time; only the admission counts: the trace's and the manager's hit counts equal
     what the requests report, and every prompt is queried once."""
     engine = LLMEngine(qwen3_model, block_size=4, num_kv_blocks=10, max_num_batched_tokens=64)
-    engine.trace = Trace()
+    engine.core.trace = Trace()
     shared = random_prompts([16], seed=5)[0]
     prompts = {"first": shared + [1], "hog": random_prompts([20], seed=6)[0], "late": shared + [2, 3]}
     engine.add_request(prompt=prompts["first"], params=SamplingParams(max_tokens=1, **GREEDY), request_id="first")
@@ -303,12 +303,12 @@ def test_hits_are_counted_once_per_admission_not_per_lookup(qwen3_model):
     for _ in range(100):
         if not engine.has_unfinished_requests():
             break
-        waited += bool(engine.scheduler.waiting)
+        waited += bool(engine.core.scheduler.waiting)
         outputs |= {out.request_id: out for out in engine.step() if out.finished}
     assert waited >= 3, "the settings were meant to keep 'late' waiting for blocks over several steps"
-    manager = engine.block_manager
+    manager = engine.core.block_manager
     assert outputs["late"].num_cached_tokens == 16
-    assert manager.hit_tokens == engine.trace.num_cached_tokens == 16
+    assert manager.hit_tokens == engine.core.trace.num_cached_tokens == 16
     assert manager.queried_tokens == sum(map(len, prompts.values()))
 
 

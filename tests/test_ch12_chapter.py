@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tiny_models import run_script
 
-from minivllm.bench.speculation import pause_threshold
+from minivllm.course.bench.speculation import pause_threshold
 
 pytestmark = pytest.mark.ch12
 

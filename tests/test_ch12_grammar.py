@@ -33,7 +33,7 @@ def checked_proposals(llm: LLM) -> list[int]:
     """Wrap the draft's propose: every guess for a constrained request must be accepted by its
     grammar in order, and its matcher must be back at its output tokens afterwards. Returns the
     list the wrapper appends the number of guesses it checked to."""
-    proposer, checked = llm.engine.speculator.proposer, []
+    proposer, checked = llm.engine.core.speculator.proposer, []
     propose = proposer.propose
 
     def wrapped(targets, limits):
@@ -63,7 +63,7 @@ def test_draft_guesses_follow_the_grammar(default_model, draft, tokenizer, kind,
     llm = LLM(default_model, tokenizer=tokenizer, max_num_seqs=4,
               speculative_config={"model": draft, "num_speculative_tokens": 4})
     graphed(llm.engine)
-    replays = Replays(llm.engine.runner)
+    replays = Replays(llm.engine.core.runner)
     checked = checked_proposals(llm)
     got = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
     assert (got.token_ids, got.finish_reason) == (expected.token_ids, expected.finish_reason)

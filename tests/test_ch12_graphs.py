@@ -17,10 +17,10 @@ from test_ch12_spec_decode import GREEDY, LENGTHS, PROMPTS, STARVED, check_block
 from tiny_models import make_seq, random_prompts
 
 from minivllm import LLM, LLMEngine, SamplingParams
-from minivllm.engine.cuda_graphs import GraphRunner
-from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.prepare import build_step_arrays
-from minivllm.engine.spec_decode.draft_model import DraftModelProposer
+from minivllm.worker.cuda_graphs import GraphRunner
+from minivllm.worker.model_runner import ModelRunner
+from minivllm.worker.prepare import build_step_arrays
+from minivllm.core.spec_decode.draft_model import DraftModelProposer
 
 pytestmark = pytest.mark.ch12
 
@@ -30,8 +30,8 @@ def graphed(engine: LLMEngine) -> LLMEngine:
     (bucket, 1) and (bucket, 1 + k), and a draft model's, keyed by (bucket, 1) and (bucket, 2).
     Call it before the first request: the new runners bring empty KV pools."""
     config = dataclasses.replace(engine.config, cuda_graphs=True)
-    engine.runner = ModelRunner(engine.model, config)
-    proposer = engine.speculator.proposer if engine.speculator is not None else None
+    engine.core.runner = ModelRunner(engine.model, config)
+    proposer = engine.core.speculator.proposer if engine.core.speculator is not None else None
     if isinstance(proposer, DraftModelProposer):
         draft = dataclasses.replace(config, num_kv_blocks=proposer.blocks.num_blocks)
         proposer.runner = ModelRunner(proposer.model, draft, graph_query_lens=(1, 2))
@@ -89,13 +89,13 @@ def test_a_verify_step_is_padded_to_equal_rows_that_touch_only_the_spare_block()
 def test_can_run_takes_steps_up_to_the_longest_query_captured(qwen3_model):
     engine = graphed(LLMEngine(qwen3_model, max_num_seqs=4, speculative_config={"method": "ngram",
                                                                                 "num_speculative_tokens": 3}))
-    graphs = engine.runner.graphs
+    graphs = engine.core.runner.graphs
     assert graphs.query_lens == [1, 4] and {4, 1, (4, 4), (1, 4)} <= set(graphs.graphs)
     assert graphs.can_run([1, 1, 1]) and graphs.can_run([4, 1, 2]) and graphs.can_run([2])
     assert not graphs.can_run([5, 1]) and not graphs.can_run([1] * 5) and not graphs.can_run([])
     assert graphs.query_len_for([1, 3, 2]) == 4 and graphs.query_len_for([1, 1]) == 1
     with pytest.raises(ValueError, match="query_lens"):
-        GraphRunner(engine.runner.forward, engine.runner.pool, engine.runner.attention_class, 4, 64,
+        GraphRunner(engine.core.runner.forward, engine.core.runner.pool, engine.core.runner.attention_class, 4, 64,
                     query_lens=(2, 4))
 
 
@@ -114,17 +114,17 @@ def test_replayed_verify_steps_give_transformers_tokens(qwen3_model, hf_models, 
     hf_model = hf_models["qwen3"]
     engine = graphed(LLMEngine(qwen3_model, speculative_config=spec_config(method, k, qwen3_model, hf_model),
                                enable_prefix_caching=False, **STARVED))
-    target = Replays(engine.runner)
-    draft = Replays(engine.speculator.proposer.runner) if method != "ngram" else None
+    target = Replays(engine.core.runner)
+    draft = Replays(engine.core.speculator.proposer.runner) if method != "ngram" else None
     outputs = run_checked(engine, PROMPTS, LENGTHS, GREEDY)
     for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS)):
         assert outputs[str(i)].outputs[0].token_ids == reference(hf_model, prompt, n), f"request {i}"
-    assert engine.speculator.stats.num_draft_tokens > 0
+    assert engine.core.speculator.stats.num_draft_tokens > 0
     assert target.of_query_len(1 + k) > 0, f"no verify step replayed a graph: {target.counts}"
     if draft is not None:
         assert draft.of_query_len(1) + draft.of_query_len(2) > 0, "the draft never replayed a graph"
         assert method != "self" or draft.of_query_len(2) > 0, f"the draft's replays: {draft.counts}"
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("method", ["ngram", "self"])
@@ -134,11 +134,11 @@ def test_replayed_verify_steps_with_prefix_caching(qwen3_model, hf_models, refer
     lengths = [16, 12, 20, 9, 14]
     engine = graphed(LLMEngine(qwen3_model, speculative_config=spec_config(method, 3, qwen3_model, None),
                                enable_prefix_caching=True, **STARVED))
-    replays = Replays(engine.runner)
+    replays = Replays(engine.core.runner)
     outputs = run_checked(engine, prompts, lengths, GREEDY)
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         assert outputs[str(i)].outputs[0].token_ids == reference(hf_models["qwen3"], prompt, n), f"request {i}"
-    assert engine.block_manager.hit_tokens > 0 and replays.of_query_len(4) > 0
+    assert engine.core.block_manager.hit_tokens > 0 and replays.of_query_len(4) > 0
 
 
 def test_two_completions_logprobs_and_stops_with_replayed_verify_steps(qwen3_model, hf_models, reference):
@@ -147,7 +147,7 @@ def test_two_completions_logprobs_and_stops_with_replayed_verify_steps(qwen3_mod
     spec = {"model": qwen3_model, "num_speculative_tokens": 4}
     llm = LLM(qwen3_model, speculative_config=spec, block_size=4, max_num_batched_tokens=9, max_num_seqs=3)
     graphed(llm.engine)
-    replays = Replays(llm.engine.runner)
+    replays = Replays(llm.engine.core.runner)
     params = SamplingParams(n=2, temperature=0.8, top_k=1, max_tokens=15, ignore_eos=True, seed=3)
     for prompt, request in zip(PROMPTS[:2], llm.generate(PROMPTS[:2], params, use_tqdm=False)):
         assert [c.token_ids for c in request.outputs] == [reference(hf_models["qwen3"], prompt, 15)] * 2
@@ -174,7 +174,7 @@ def test_stop_strings_on_the_embedded_model_with_replayed_verify_steps(default_m
     llm = LLM(default_model, tokenizer=chat_tokenizer, max_num_seqs=4,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     graphed(llm.engine)
-    replays = Replays(llm.engine.runner)
+    replays = Replays(llm.engine.core.runner)
     for params in (SamplingParams(max_tokens=24, temperature=0, stop=[stop]),
                    SamplingParams(max_tokens=24, temperature=0, stop=[stop], include_stop_str_in_output=True)):
         expected = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
@@ -182,7 +182,7 @@ def test_stop_strings_on_the_embedded_model_with_replayed_verify_steps(default_m
         assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
             expected.text, expected.token_ids, expected.finish_reason, expected.stop_reason)
         assert got.finish_reason == "stop"
-    assert llm.engine.speculator.stats.num_accepted_tokens > 0 and replays.of_query_len(5) > 0
+    assert llm.engine.core.speculator.stats.num_accepted_tokens > 0 and replays.of_query_len(5) > 0
 
 
 def test_replayed_and_eager_verify_steps_agree_on_sampled_tokens(qwen3_model, hf_models):
@@ -207,7 +207,7 @@ def test_replayed_verify_steps_with_triton_attention_give_transformers_tokens(tr
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     engine = graphed(LLMEngine(qwen3_model, attention="triton", max_num_seqs=3, speculative_config=spec, block_size=4,
                                num_kv_blocks=32, max_num_batched_tokens=8))
-    replays = Replays(engine.runner)
+    replays = Replays(engine.core.runner)
     outputs = run_checked(engine, prompts, lengths, GREEDY)
     assert [outputs[str(i)].outputs[0].token_ids for i in range(3)] == [
         reference(hf_models["qwen3"], p, n) for p, n in zip(prompts, lengths)]
@@ -226,7 +226,7 @@ def test_captured_verify_graphs_give_transformers_tokens(hf_models, reference, m
     spec = spec_config(method, 4, model, None)
     engine = LLMEngine(model, speculative_config=spec, attention="triton", cuda_graphs=True, fused_ops=False,
                        enable_prefix_caching=False, max_num_seqs=3)
-    replays = Replays(engine.runner)
+    replays = Replays(engine.core.runner)
     outputs = run_checked(engine, PROMPTS, LENGTHS, GREEDY)
     for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS)):
         assert outputs[str(i)].outputs[0].token_ids == reference(hf_model, prompt, n), f"request {i}"

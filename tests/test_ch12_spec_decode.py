@@ -13,14 +13,14 @@ import transformers
 
 import minivllm
 from minivllm import LLM, LLMEngine, SamplingParams
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.prefix_cache import PrefixCachingBlockManager, block_hashes
-from minivllm.engine.sequence import Sequence
-from minivllm.engine.spec_decode.config import SpeculativeConfig
-from minivllm.engine.spec_decode.ngram import propose_ngram
-from minivllm.engine.spec_decode.rejection import rejection_sample
-from minivllm.engine.spec_decode.rollback import rollback
-from minivllm.engine.trace import Trace
+from minivllm.core.block_manager import BlockManager
+from minivllm.core.prefix_cache import PrefixCachingBlockManager, block_hashes
+from minivllm.request.sequence import Sequence
+from minivllm.config.speculative import SpeculativeConfig
+from minivllm.core.spec_decode.ngram import propose_ngram
+from minivllm.core.spec_decode.rejection import rejection_sample
+from minivllm.core.spec_decode.rollback import rollback
+from minivllm.core.trace import Trace
 from tiny_models import random_prompts
 
 pytestmark = pytest.mark.ch12
@@ -281,15 +281,15 @@ def tiny_draft(hf_model) -> minivllm.Decoder:
 def check_blocks(engine: LLMEngine) -> None:
     """Every block is free or owned; with prefix caching the counts match the live tables and a
     named block's hash is the hash of its owner's own (verified) tokens there."""
-    manager = engine.block_manager
-    tables = [seq.block_table for seq in engine.scheduler.running]
+    manager = engine.core.block_manager
+    tables = [seq.block_table for seq in engine.core.scheduler.running]
     holders = Counter(b for table in tables for b in table)
     assert not set(manager.free) & set(holders) and len(manager.free) + len(holders) == manager.num_blocks
-    assert all(not seq.block_table for seq in engine.scheduler.waiting)
-    assert all(seq.num_spec_tokens == 0 for seq in engine.scheduler.running), "guesses never outlive a step"
+    assert all(not seq.block_table for seq in engine.core.scheduler.waiting)
+    assert all(seq.num_spec_tokens == 0 for seq in engine.core.scheduler.running), "guesses never outlive a step"
     if isinstance(manager, PrefixCachingBlockManager):
         assert all(manager.ref_counts[b] == holders.get(b, 0) for b in range(manager.num_blocks))
-        for seq in engine.scheduler.running:
+        for seq in engine.core.scheduler.running:
             for i, h in enumerate(block_hashes(seq.token_ids, manager.block_size)):
                 if i < len(seq.block_table) and seq.block_table[i] in manager.block_hash:
                     assert manager.block_hash[seq.block_table[i]] == h, "a named block holds other tokens"
@@ -319,16 +319,16 @@ def test_greedy_tokens_equal_transformers_under_starvation(model, hf_model, refe
         {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3} if method == "ngram"
         else {"model": model if method == "self" else tiny_draft(hf_model)})
     engine = LLMEngine(model, speculative_config=spec, enable_prefix_caching=False, **STARVED)
-    engine.trace = Trace()
+    engine.core.trace = Trace()
     outputs = run_checked(engine, PROMPTS, LENGTHS, GREEDY)
     for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS)):
         assert outputs[str(i)].outputs[0].token_ids == reference(hf_model, prompt, n), f"request {i}"
-    stats = engine.speculator.stats
+    stats = engine.core.speculator.stats
     assert stats.num_draft_tokens > 0, "nothing was ever guessed: the test would not test speculation"
     if method == "self":
         assert stats.num_accepted_tokens == stats.num_draft_tokens
-    assert any(r.preempted for r in engine.trace.steps), "the pool was meant to force a preemption"
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert any(r.preempted for r in engine.core.trace.steps), "the pool was meant to force a preemption"
+    assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("method", ["ngram", "self"])
@@ -343,7 +343,7 @@ def test_greedy_tokens_with_prefix_caching(qwen3_model, hf_models, reference, me
     outputs = run_checked(engine, prompts, lengths, GREEDY)
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         assert outputs[str(i)].outputs[0].token_ids == reference(hf_models["qwen3"], prompt, n), f"request {i}"
-    assert engine.block_manager.hit_tokens > 0, "the prompts were meant to share cached blocks"
+    assert engine.core.block_manager.hit_tokens > 0, "the prompts were meant to share cached blocks"
 
 
 @pytest.mark.parametrize("method", ["ngram", "self"])
@@ -356,13 +356,13 @@ def test_no_guesses_while_the_batch_is_at_disable_by_batch_size(qwen3_model, hf_
         {"method": "ngram"} if method == "ngram" else {"model": qwen3_model})
     engine = LLMEngine(qwen3_model, speculative_config=spec, enable_prefix_caching=False, max_num_seqs=4)
     steps = []  # (requests running when the step began, guesses it proposed)
-    propose = engine.speculator.propose
+    propose = engine.core.speculator.propose
 
     def counted(running):
         propose(running)
         steps.append((len(running), sum(seq.num_spec_tokens for seq in running)))
 
-    monkeypatch.setattr(engine.speculator, "propose", counted)
+    monkeypatch.setattr(engine.core.speculator, "propose", counted)
     outputs = run_checked(engine, PROMPTS, LENGTHS, GREEDY)
     for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS)):
         assert outputs[str(i)].outputs[0].token_ids == reference(hf_models["qwen3"], prompt, n), f"request {i}"
@@ -395,7 +395,7 @@ def test_stops_and_lengths_end_exactly_where_plain_decoding_ends(qwen3_model):
         assert (got.token_ids, got.finish_reason, got.stop_reason) == (
             expected.token_ids, expected.finish_reason, expected.stop_reason), params
         assert len(got.token_ids) <= params.max_tokens
-    assert spec.engine.speculator.stats.num_accepted_tokens > 0
+    assert spec.engine.core.speculator.stats.num_accepted_tokens > 0
 
 
 def test_logprobs_come_from_the_target(qwen3_model, hf_models):
@@ -414,7 +414,7 @@ def test_logprobs_come_from_the_target(qwen3_model, hf_models):
 def test_metrics_count_drafts_and_acceptances(qwen3_model):
     llm = LLM(qwen3_model, speculative_config={"model": qwen3_model, "num_speculative_tokens": 2})
     out = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
-    stats = llm.engine.speculator.stats
+    stats = llm.engine.core.speculator.stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # the target guesses itself
     assert sum(o.metrics.num_draft_tokens for o in out) == stats.num_draft_tokens
     assert stats.num_accepted_per_position == stats.num_drafts_per_position
@@ -473,7 +473,7 @@ def sampled_pairs(target, draft, prompt, n: int, temperature: float) -> torch.Te
                 counts[tokens[1], tokens[2]] += 1
         if not engine.has_unfinished_requests():
             break
-    assert engine.speculator.stats.num_draft_tokens > n, "the second and third tokens were meant to be guessed"
+    assert engine.core.speculator.stats.num_draft_tokens > n, "the second and third tokens were meant to be guessed"
     return counts / n
 
 
@@ -491,7 +491,7 @@ def test_sampled_tokens_follow_the_targets_distribution_not_the_drafts(monkeypat
     got = sampled_pairs(target, draft, prompt, n, temperature)
     assert ((got - exact).abs() <= tolerance + 1e-3).all(), (got - exact).abs().max()
     for wrong in (always_accept, resample_from_target):
-        monkeypatch.setattr("minivllm.engine.spec_decode.speculator.rejection_sample", wrong)
+        monkeypatch.setattr("minivllm.core.spec_decode.speculator.rejection_sample", wrong)
         bad = sampled_pairs(target, draft, prompt, n, temperature)
         assert ((bad - exact).abs() > tolerance + 1e-3).any(), f"the check cannot tell {wrong.__name__}"
 
@@ -508,7 +508,7 @@ def test_the_server_streams_speculated_tokens_and_counts_them():
     import httpx
     import openai
 
-    from minivllm.serving.threaded import running_server
+    from minivllm.entrypoints.openai.threaded import running_server
 
     model, tokenizer = minivllm.load_model(), minivllm.load_tokenizer()
     prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return"
@@ -521,7 +521,7 @@ def test_the_server_streams_speculated_tokens_and_counts_them():
                                            extra_body={"ignore_eos": True})
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    stats = engine.speculator.stats
+    stats = engine.core.speculator.stats
     assert stats.num_accepted_tokens > 0, "the repeated functions were meant to be guessed"
     for name, value in (("num_drafts", stats.num_drafts), ("num_draft_tokens", stats.num_draft_tokens),
                         ("num_accepted_tokens", stats.num_accepted_tokens)):

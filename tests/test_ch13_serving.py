@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from minivllm import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
-from minivllm.engine.structured_outputs import backend
-from minivllm.serving import threaded
+from minivllm.structured_outputs import backend
+from minivllm.entrypoints.openai import threaded
 
 pytestmark = pytest.mark.ch13
 pytest.importorskip("xgrammar")
@@ -153,9 +153,9 @@ def test_a_request_waiting_for_its_grammar_counts_as_waiting(default_model, chat
         first.start()
         try:
             deadline = time.monotonic() + 30
-            while not engine.scheduler.waiting_for_grammar and time.monotonic() < deadline:
+            while not engine.core.scheduler.waiting_for_grammar and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert engine.scheduler.waiting_for_grammar, "the first request never reached the engine"
+            assert engine.core.scheduler.waiting_for_grammar, "the first request never reached the engine"
             with pytest.raises(openai.APIStatusError) as info:
                 client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
             assert info.value.status_code == 503
@@ -167,7 +167,7 @@ def test_a_request_waiting_for_its_grammar_counts_as_waiting(default_model, chat
 
 
 def test_serve_flag_sets_the_whitespace_default(tiny_checkpoint):
-    from minivllm.cli import build_parser, engine_options
+    from minivllm.entrypoints.cli import build_parser, engine_options
 
     def options(*flags: str) -> dict:
         return engine_options(build_parser().parse_args(["serve", "--model", str(tiny_checkpoint), *flags]))

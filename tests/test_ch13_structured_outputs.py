@@ -25,9 +25,9 @@ import transformers
 
 from minivllm import (DEFAULT_MODEL, DRAFT_MODEL, LLM, LLMEngine, SamplingParams, StructuredOutputsParams, load_model,
                       load_tokenizer)
-from minivllm.engine.structured_outputs import backend
-from minivllm.engine.structured_outputs.bitmask import apply_token_bitmask
-from minivllm.engine.structured_outputs.matcher import advance_matcher
+from minivllm.structured_outputs import backend
+from minivllm.structured_outputs.bitmask import apply_token_bitmask
+from minivllm.structured_outputs.matcher import advance_matcher
 from tiny_models import tiny_hf_model
 
 pytestmark = pytest.mark.ch13
@@ -333,8 +333,8 @@ def test_without_xgrammar_a_constraint_is_refused_and_the_rest_is_served(embedde
 
 
 def test_the_engine_imports_xgrammar_only_for_a_constraint():
-    code = ("import sys, minivllm\n"
-            "minivllm.engine.config.PERSISTENT_BATCH_DEFAULT = False\n"  # the runner as chapter 13 knew it (LATER_DEFAULTS)
+    code = ("import sys, minivllm, minivllm.config.engine\n"
+            "minivllm.config.engine.PERSISTENT_BATCH_DEFAULT = False\n"  # the runner as chapter 13 knew it (LATER_DEFAULTS)
             "llm = minivllm.LLM(device='cpu')\n"
             "llm.generate('x = ', minivllm.SamplingParams(max_tokens=2), use_tqdm=False)\n"
             "assert 'xgrammar' not in sys.modules, 'imported for a request without a constraint'\n"
@@ -369,7 +369,7 @@ def test_a_slow_compile_never_stalls_the_running_batch(embedded, tokenizer, monk
             outputs = engine.step()
             assert [o.request_id for o in outputs] == ["plain"], f"step {step}: {outputs}"
         assert outputs[0].finished and len(outputs[0].outputs[0].token_ids) == 8
-        assert [s.request_id for s in engine.scheduler.waiting_for_grammar] == ["choice"]
+        assert [s.request_id for s in engine.core.scheduler.waiting_for_grammar] == ["choice"]
         start = time.perf_counter()
         assert engine.step() == []  # nothing to run: it waits a little for the grammar, then returns
         assert time.perf_counter() - start < 5
@@ -544,4 +544,4 @@ def test_speculation_under_a_grammar_equals_transformers(embedded_hf, embedded, 
     sampled = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=96, structured_outputs=constraint)
     for completion in llm.generate(prompt, sampled, use_tqdm=False)[0].outputs:
         assert completion.finish_reason == "length" or fits(constraint, completion.text), completion.text
-    assert llm.engine.speculator.stats.num_draft_tokens > 0, "nothing was guessed: speculation was not tested"
+    assert llm.engine.core.speculator.stats.num_draft_tokens > 0, "nothing was guessed: speculation was not tested"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import run_script
 
-from minivllm.bench.tp_cost import (GPU, LINKS, Link, Shape, allreduce_bytes_per_token_per_layer, copies_or_splits,
+from minivllm.course.bench.tp_cost import (GPU, LINKS, Link, Shape, allreduce_bytes_per_token_per_layer, copies_or_splits,
                                     copies_step, decode_step, model_shapes, ring_allreduce_seconds, speedup_grid)
 from minivllm.loader import CONFIGS, read_config
 

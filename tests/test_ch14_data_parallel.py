@@ -21,8 +21,8 @@ from server_checks import ENGINE, MODEL, TIMEOUT, openai_client, running_server
 from test_ch15_core_process import long_streams
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from minivllm.core_process.data_parallel import choose_core, prompt_blocks
-from minivllm.serving.async_llm import AsyncLLM
+from minivllm.engine.data_parallel import choose_core, prompt_blocks
+from minivllm.engine.async_llm import AsyncLLM
 
 pytestmark = pytest.mark.ch14
 PROMPTS = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    def push(self, item):", "x = [",
@@ -68,11 +68,11 @@ def test_bad_sizes_are_refused(size):
         EngineConfig(data_parallel_size=size)
 
 
-def test_copies_of_a_split_model_and_an_in_process_engine_are_refused(default_model):
+def test_copies_of_a_split_model_and_a_bad_multiprocess_are_refused(default_model):
     with pytest.raises(ValueError, match="not supported"):
         EngineConfig(data_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="LLMEngine is one core"):
-        LLMEngine(default_model, data_parallel_size=2)
+    with pytest.raises(ValueError, match="multiprocess"):  # where the core runs is a choice, not a conversion
+        LLMEngine(default_model, multiprocess="yes")
 
 
 # ---- two cores ----
@@ -142,7 +142,7 @@ def test_the_offline_llm_with_two_copies_gives_one_engines_outputs(engine, expec
     try:
         params = SamplingParams(max_tokens=16, **GREEDY)
         got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        sent = list(llm.engine.client.sent)
+        sent = list(llm.engine.client.client.sent)  # the router, behind the synchronous client
         # A prompt that is refused at the door leaves the copies as they were; the next batch runs.
         with pytest.raises(ValueError, match="prompt 1"):
             llm.generate(["x = [", "y" * 10_000], params, use_tqdm=False)

@@ -93,7 +93,7 @@ def test_greedy_matches_transformers_from_a_checkpoint_at_two_ranks(checkpoints,
     expected = [hf_greedy(hf, p, 8) for p in prompts]
     assert not dist.is_initialized()
     llm = LLM(str(folder), device="cpu", tensor_parallel_size=2, block_size=4, num_kv_blocks=64)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     try:
         assert isinstance(llm.engine.model, UnloadedDecoder)  # rank 0 never held the whole model
         assert runner.model.layers[0].mlp.gate_proj.out_features == hf.config.intermediate_size // 2

@@ -23,7 +23,7 @@ from test_ch14_tensor_parallel import GREEDY, gone, running, tensor_parallel
 from tiny_models import random_prompts
 
 from minivllm import LLM, SamplingParams
-from minivllm.distributed.group import free_port
+from minivllm.executor.group import free_port
 
 pytestmark = pytest.mark.ch14
 
@@ -35,7 +35,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 def test_deleting_the_engine_stops_its_workers(qwen3_model):
     assert not dist.is_initialized()
     llm = LLM(qwen3_model, tensor_parallel_size=2, num_kv_blocks=16)
-    pids = llm.engine.runner.pids
+    pids = llm.engine.core.runner.pids
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
     del llm
     gc.collect()
@@ -45,7 +45,7 @@ def test_deleting_the_engine_stops_its_workers(qwen3_model):
 
 def test_a_worker_that_dies_between_steps_makes_the_next_call_fail(qwen3_model):
     with tensor_parallel(LLM, qwen3_model, tensor_parallel_size=2, num_kv_blocks=16) as llm:
-        pid = llm.engine.runner.pids[0]
+        pid = llm.engine.core.runner.pids[0]
         params = SamplingParams(max_tokens=3, **GREEDY)
         llm.generate([[1, 2, 3]], params, use_tqdm=False)
         os.kill(pid, signal.SIGKILL)
@@ -60,7 +60,7 @@ def test_a_worker_that_dies_between_steps_makes_the_next_call_fail(qwen3_model):
 def test_a_worker_that_dies_inside_a_step_makes_it_fail(qwen3_model):
     """Killed after the step's message went out, while rank 0 is in the step's collectives."""
     with tensor_parallel(LLM, qwen3_model, tensor_parallel_size=2, num_kv_blocks=16) as llm:
-        runner = llm.engine.runner
+        runner = llm.engine.core.runner
         pid, send, sent = runner.pids[0], runner.group.channel.send, []
 
         def send_then_kill(plan):
@@ -80,14 +80,14 @@ def test_a_worker_that_dies_inside_a_step_makes_it_fail(qwen3_model):
 PROGRAM = """
 import sys, time, torch
 from minivllm import LLM, SamplingParams
-from minivllm.engine import config
+from minivllm.config import engine as config
 
 config.PERSISTENT_BATCH_DEFAULT = False  # the runner as chapter 14 built it (tests/conftest.py, LATER_DEFAULTS)
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     llm = LLM(None, device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
-    print("PIDS", *llm.engine.runner.pids, flush=True)
+    print("PIDS", *llm.engine.core.runner.pids, flush=True)
     if sys.argv[1] == "exit":
         sys.exit(0)
     while True:  # busy: a signal lands in the middle of some step
@@ -155,7 +155,7 @@ def test_no_worker_outlives_its_program(tmp_path, ending):
 WORKER_PROGRAM = """
 import json, sys, torch
 from minivllm import LLM, SamplingParams
-from minivllm.engine import config
+from minivllm.config import engine as config
 
 config.PERSISTENT_BATCH_DEFAULT = False  # the runner as chapter 14 built it (tests/conftest.py, LATER_DEFAULTS)
 torch.set_num_threads(1)

@@ -29,16 +29,16 @@ from tiny_models import make_seq, random_prompts
 from torch import nn
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams, load_model, load_tokenizer
-from minivllm.distributed import messages
-from minivllm.distributed.executor import TensorParallelRunner
+from minivllm.executor import step_messages as messages
+from minivllm.executor.tensor_parallel import TensorParallelRunner
 from minivllm.distributed.layers import column_parallel, row_parallel, vocab_parallel_lookup, vocab_rows, vocab_shard
 from minivllm.distributed.shard import kv_split
 from minivllm.distributed.simulate import sharded_logits
-from minivllm.engine.cuda_graphs import EagerGraph
-from minivllm.engine.model_runner import StepPlan
-from minivllm.engine.prepare import build_step_arrays
-from minivllm.engine.trace import Trace
-from minivllm.serving import threaded
+from minivllm.worker.cuda_graphs import EagerGraph
+from minivllm.worker.model_runner import StepPlan
+from minivllm.worker.prepare import build_step_arrays
+from minivllm.core.trace import Trace
+from minivllm.entrypoints.openai import threaded
 
 pytestmark = pytest.mark.ch14
 
@@ -71,7 +71,7 @@ def tensor_parallel(make, *args, **kwargs) -> Iterator:
     leaving, whatever happened: a process holds one torch.distributed group at a time."""
     assert not dist.is_initialized(), "an earlier test left a tensor-parallel engine running"
     engine = make(*args, **kwargs)
-    runner = (engine.engine if isinstance(engine, LLM) else engine).runner
+    runner = (engine.engine if isinstance(engine, LLM) else engine).core.runner
     try:
         yield engine
     finally:
@@ -262,7 +262,7 @@ def test_greedy_matches_transformers_under_starvation(hf_models, family, world_s
     hf = hf_models[family]
     model = load_model(hf, device="cpu")
     with tensor_parallel(LLM, model, tensor_parallel_size=world_size, **STARVED) as llm:
-        assert len(llm.engine.runner.pids) == world_size - 1
+        assert len(llm.engine.core.runner.pids) == world_size - 1
         llm.trace = Trace()
         outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n, **GREEDY) for n in LENGTHS], use_tqdm=False)
         for i, (prompt, n, out) in enumerate(zip(PROMPTS, LENGTHS, outs)):
@@ -292,11 +292,11 @@ def test_every_rank_replays_graphs(qwen3_model, hf_models, reference):
     engine = LLMEngine(qwen3_model, config=config)
     resolved = dataclasses.replace(engine.config, cuda_graphs=True, tensor_parallel_size=2)
     assert not dist.is_initialized()
-    engine.runner = TensorParallelRunner(qwen3_model, resolved, graph_class=EagerGraph)
+    engine.core.runner = TensorParallelRunner(qwen3_model, resolved, graph_class=EagerGraph)
     try:
         replays = []
-        replay = engine.runner.graphs.replay
-        engine.runner.graphs.replay = lambda size, n: replays.append((size, n)) or replay(size, n)
+        replay = engine.core.runner.graphs.replay
+        engine.core.runner.graphs.replay = lambda size, n: replays.append((size, n)) or replay(size, n)
         for i, prompt in enumerate(PROMPTS[:5]):
             engine.add_request(prompt=prompt, params=SamplingParams(max_tokens=LENGTHS[i], **GREEDY), request_id=str(i))
         outs = {}
@@ -306,7 +306,7 @@ def test_every_rank_replays_graphs(qwen3_model, hf_models, reference):
         for i, prompt in enumerate(PROMPTS[:5]):
             assert outs[str(i)].outputs[0].token_ids == reference(hf_models["qwen3"], prompt, LENGTHS[i]), i
     finally:
-        engine.runner.shutdown()
+        engine.core.runner.shutdown()
 
 
 @pytest.mark.parametrize("size, match", [
@@ -339,7 +339,7 @@ def test_shapes_that_cannot_split_and_missing_gpus_are_refused(qwen3_model):
 
 def test_the_server_on_two_processes_answers_like_the_offline_engine():
     """`minivllm serve --tensor-parallel-size 2`'s engine, served, against LLM.generate on one process."""
-    from minivllm.cli import build_parser, engine_options
+    from minivllm.entrypoints.cli import build_parser, engine_options
 
     prompts = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    def push(self, item):\n        self.",
                "for i in range("]

@@ -26,13 +26,13 @@ from server_checks import ENGINE, MODEL, TIMEOUT, chunks_of, expect_status, metr
     running_server, wait_until_idle
 
 from minivllm import LLM, LLMEngine, SamplingParams
-from minivllm.core_process.messages import AddRequest, StepOutputs, encoder, from_core_decoder, to_core_decoder
-from minivllm.engine.core import EngineCoreOutput, EngineCoreStats
-from minivllm.engine.input_processor import EngineCoreRequest
-from minivllm.engine.logprobs import TopLogprobs
+from minivllm.request.messages import AddRequest, StepOutputs, encoder, from_core_decoder, to_core_decoder
+from minivllm.request.messages import EngineCoreOutput, EngineCoreStats
+from minivllm.request.messages import EngineCoreRequest
+from minivllm.request.logprobs import TopLogprobs
 from minivllm.engine.output_processor import CompletionState, new_delta
-from minivllm.engine.sampling_params import RequestOutputKind
-from minivllm.engine.structured_outputs import StructuredOutputsParams
+from minivllm.request.sampling_params import RequestOutputKind
+from minivllm.structured_outputs import StructuredOutputsParams
 
 pytestmark = pytest.mark.ch15
 PROMPTS = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    def push(self, item):", "x = [",
@@ -80,7 +80,7 @@ def test_a_stop_string_found_in_the_text_stops_the_core_at_once(default_model, c
     assert (done.text, done.finish_reason, done.stop_reason) == (full[:full.find(stop)], "stop", stop)
     assert len(done.token_ids) < 30
     assert not engine.has_unfinished_requests() and "s" not in engine.core.requests
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 def test_delta_outputs_add_up_to_the_cumulative_ones(default_model, chat_tokenizer):
@@ -288,7 +288,7 @@ def started_cli_server(*args: str) -> tuple[subprocess.Popen, str, int]:
     server is chapter 15's: its core runs without chapter 16's persistent batch (a process of its own
     does not see tests/conftest.py's LATER_DEFAULTS)."""
     port = free_port()
-    command = [sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port), "--threads", "1",
+    command = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port", str(port), "--threads", "1",
                "--num-kv-blocks", "64", "--max-num-seqs", "8", "--no-persistent-batch", *args]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -339,7 +339,7 @@ def test_a_dead_core_ends_the_cli_server_with_a_nonzero_exit():
 # ---- the measurement's pieces (the measurement itself is chapters/15_engine_core_process.py) ----
 
 def test_the_cheap_model_is_the_named_shape_with_the_embedded_tokenizer(tmp_path, chat_tokenizer):
-    from minivllm.bench.split_serving import CHEAP_SHAPE, offline_run, write_cheap_model
+    from minivllm.course.bench.split_serving import CHEAP_SHAPE, offline_run, write_cheap_model
     from minivllm.loader import load_model, load_tokenizer
 
     folder = write_cheap_model(tmp_path)

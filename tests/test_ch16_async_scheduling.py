@@ -9,10 +9,10 @@ import pytest
 from tiny_models import random_prompts
 
 from minivllm import LLM, LLMEngine, SamplingParams, load_model, load_tokenizer
-from minivllm.engine.async_scheduling import PLACEHOLDER
-from minivllm.engine.config import EngineConfig
-from minivllm.engine.sampling_params import RequestOutputKind
-from minivllm.engine.trace import Trace
+from minivllm.core.async_scheduling import PLACEHOLDER
+from minivllm.config.engine import EngineConfig
+from minivllm.request.sampling_params import RequestOutputKind
+from minivllm.core.trace import Trace
 
 pytestmark = [pytest.mark.ch16, pytest.mark.timeout(240)]
 
@@ -34,7 +34,7 @@ def both(model, prompts, params, tokenizer=None, **settings) -> tuple[list, list
     runs = []
     for overlap in (False, True):
         llm = LLM(model, tokenizer=tokenizer, async_scheduling=overlap, **settings)
-        assert (llm.engine.overlap is not None) == (overlap and "speculative_config" not in settings)
+        assert (llm.engine.core.overlap is not None) == (overlap and "speculative_config" not in settings)
         runs.append(completions(llm, prompts, params))
     return runs[0], runs[1]
 
@@ -109,7 +109,7 @@ def test_a_stop_string_aborts_the_completion_in_the_core_and_its_token_in_flight
     engine = LLMEngine(default_model, tokenizer=tokenizer, async_scheduling=True)
     engine.add_request(request_id="s", prompt=prompt, params=SamplingParams(max_tokens=24, temperature=0, stop=[stop]))
     engine.add_request(request_id="other", prompt=prompt, params=SamplingParams(max_tokens=24, temperature=0))
-    seq, sent, stopped_at = engine.requests["s"].seqs[0], [], None
+    seq, sent, stopped_at = engine.core.requests["s"].seqs[0], [], None
     for step in range(60):
         news = engine.core.step()
         assert all(PLACEHOLDER not in out.new_token_ids for out in news)
@@ -117,7 +117,7 @@ def test_a_stop_string_aborts_the_completion_in_the_core_and_its_token_in_flight
         outputs, stopped = engine.output_processor.process_outputs(news)
         if stopped:
             assert stopped == [("s", 0)] and stopped_at is None
-            assert seq in engine.overlap.in_flight.tokens.seqs, "no token was in flight: the check proves nothing"
+            assert seq in engine.core.overlap.in_flight.tokens.seqs, "no token was in flight: the check proves nothing"
             stopped_at = step
         engine.core.abort_sequences(stopped)
         if not engine.has_unfinished_requests():
@@ -125,7 +125,7 @@ def test_a_stop_string_aborts_the_completion_in_the_core_and_its_token_in_flight
     assert stopped_at is not None and not engine.has_unfinished_requests()
     assert max(step for step, rid in sent if rid == "s") == stopped_at, "the core answered after the stop"
     assert seq.num_output_placeholders == 0 and PLACEHOLDER not in seq.token_ids
-    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert engine.core.block_manager.num_free == engine.core.block_manager.num_blocks
 
 
 def test_ngram_speculation_runs_synchronously_and_exactly(model, hf_model, reference):
@@ -160,7 +160,7 @@ def test_aborts_in_flight_and_the_extra_token_of_a_finished_request(qwen3_model,
     scheduled = []
     for overlap in (False, True):
         engine = LLMEngine(qwen3_model, async_scheduling=overlap, block_size=4, num_kv_blocks=64)
-        engine.trace = Trace()
+        engine.core.trace = Trace()
         for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS)):
             engine.add_request(prompt=prompt, params=SamplingParams(max_tokens=n, output_kind=RequestOutputKind.CUMULATIVE,
                                                                     **GREEDY), request_id=str(i))
@@ -179,8 +179,8 @@ def test_aborts_in_flight_and_the_extra_token_of_a_finished_request(qwen3_model,
         assert sorted(finished) == sorted(set(map(str, range(len(PROMPTS)))) - aborted)
         for rid, tokens in finished.items():
             assert tokens == reference(hf_model, PROMPTS[int(rid)], LENGTHS[int(rid)])
-        assert engine.block_manager.num_free == 64
-        scheduled.append(sum(s.num_tokens for s in engine.trace.steps if not s.preempted))
+        assert engine.core.block_manager.num_free == 64
+        scheduled.append(sum(s.num_tokens for s in engine.core.trace.steps if not s.preempted))
     # The aborted requests ran in the same steps either way (aborted at the same step).
     assert scheduled[1] - scheduled[0] == len(PROMPTS) - len(aborted)
 

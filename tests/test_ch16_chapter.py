@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tiny_models import run_script
 
-from minivllm.plots.overlap import simulate
+from minivllm.course.plots.overlap import simulate
 
 pytestmark = [pytest.mark.ch16, pytest.mark.timeout(240)]
 

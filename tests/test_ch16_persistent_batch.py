@@ -13,10 +13,10 @@ from tiny_models import make_seq, random_prompts
 
 import minivllm
 from minivllm import LLMEngine, SamplingParams
-from minivllm.engine.input_batch import InputBatch
-from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.prepare import build_step_arrays
-from minivllm.engine.sequence import Status
+from minivllm.worker.input_batch import InputBatch
+from minivllm.worker.model_runner import ModelRunner
+from minivllm.worker.prepare import build_step_arrays
+from minivllm.request.sequence import Status
 
 pytestmark = [pytest.mark.ch16, pytest.mark.timeout(240)]
 
@@ -65,9 +65,9 @@ def test_step_arrays_equal_chapter_9s_at_every_step(qwen3_model, hf_models, refe
         settings = dict(block_size=4, num_kv_blocks=64, max_num_seqs=8)
     engine = LLMEngine(qwen3_model, **settings)
     if case == "graphs":  # as chapter 9's checks do: a runner with graphs, on a CPU
-        engine.runner = ModelRunner(engine.model, dataclasses.replace(engine.config, cuda_graphs=True))
+        engine.core.runner = ModelRunner(engine.model, dataclasses.replace(engine.config, cuda_graphs=True))
     steps: list[int] = []
-    runners = [engine.runner] + ([engine.speculator.proposer.runner] if case == "draft-model" else [])
+    runners = [engine.core.runner] + ([engine.core.speculator.proposer.runner] if case == "draft-model" else [])
     for runner in runners:
         runner.batch.step_arrays = checked(runner.batch, steps)
     prompts = PROMPTS if case != "prefix-cache" else [PROMPTS[3][:12] + p[:12] for p in PROMPTS]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minivllm import EngineConfig, LLMEngine
-from minivllm.engine import config as engine_config
+from minivllm.config import engine as engine_config
 
 pytestmark = pytest.mark.ch07
 
@@ -31,9 +31,9 @@ def test_resolve_decides_every_setting_left_to_the_engine(qwen3_model):
 
 def test_the_engine_runs_on_its_resolved_config(qwen3_model):
     engine = LLMEngine(qwen3_model, config=EngineConfig(block_size=4, num_kv_blocks=12, max_num_seqs=3))
-    assert engine.config.block_size == engine.block_manager.block_size == 4
-    assert engine.block_manager.num_blocks == 12 and engine.runner.pool.num_blocks == 13  # + the graphs' spare
-    assert engine.scheduler.max_num_seqs == 3 and engine.max_model_len == engine.config.max_model_len
+    assert engine.config.block_size == engine.core.block_manager.block_size == 4
+    assert engine.core.block_manager.num_blocks == 12 and engine.core.runner.pool.num_blocks == 13  # + the graphs' spare
+    assert engine.core.scheduler.max_num_seqs == 3 and engine.max_model_len == engine.config.max_model_len
 
 
 @pytest.mark.parametrize("settings, match", [

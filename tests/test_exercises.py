@@ -11,8 +11,8 @@ from collections import Counter
 
 import pytest
 
-from minivllm import exercises
-from minivllm.exercises import EXERCISES, NOTEBOOKS, Exercise, find_regions, make_student_copy, stub_source
+from minivllm.course import exercises
+from minivllm.course.exercises import EXERCISES, NOTEBOOKS, Exercise, find_regions, make_student_copy, stub_source
 
 ROOT = exercises.PROJECT_ROOT
 # In a student copy the solutions are gone: the checks that need them have nothing to check.
@@ -247,7 +247,7 @@ def test_make_refuses_the_repository_and_non_empty_folders(tmp_path):
 
 
 def test_exercises_list_prints_every_exercise(capsys, monkeypatch):
-    from minivllm.cli import main
+    from minivllm.entrypoints.cli import main
 
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps long names in a narrow terminal
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.exercises import EXERCISES, NOTEBOOKS
+from minivllm.course.exercises import EXERCISES, NOTEBOOKS
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"

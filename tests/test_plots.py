@@ -15,9 +15,9 @@ from matplotlib.colors import to_rgba
 
 import minivllm
 from minivllm.attention.masks import block_diagonal_mask, padded_causal_mask
-from minivllm.engine.trace import DECODE, PREEMPTED, PREFILL, TIMELINE_LABELS, WAITING
-from minivllm.plots.batching import plot_padded_vs_ragged
-from minivllm.plots.scheduling import plot_step_composition, plot_timeline
+from minivllm.core.trace import DECODE, PREEMPTED, PREFILL, TIMELINE_LABELS, WAITING
+from minivllm.course.plots.batching import plot_padded_vs_ragged
+from minivllm.course.plots.scheduling import plot_step_composition, plot_timeline
 
 matplotlib.use("Agg")
 CHAPTER_7 = Path(__file__).parents[1] / "chapters" / "07_continuous_batching.py"

@@ -15,10 +15,10 @@ import torch
 from tiny_models import run_script
 
 from minivllm import LLMEngine, ModelConfig, SamplingParams
-from minivllm.bench.profiling import VARIANTS, StepProfile, profile_steps
+from minivllm.course.bench.profiling import VARIANTS, StepProfile, profile_steps
 from minivllm.engine.llm_engine import STEP_PHASES
 from minivllm.model import Decoder
-from minivllm.plots.profile import plot_step_breakdown, plot_step_timeline
+from minivllm.course.plots.profile import plot_step_breakdown, plot_step_timeline
 
 pytestmark = pytest.mark.ch09
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "step_profile.py"

@@ -13,10 +13,10 @@ import torch
 from tiny_models import run_script
 
 from minivllm import LLM, ModelConfig, SamplingParams
-from minivllm.bench.peers import continuous_batching_unavailable
-from minivllm.bench.roofline import decode_floor
-from minivllm.bench.timing import copy_bandwidth
-from minivllm.bench.workloads import Workload, make_workload, warmup_workloads
+from minivllm.course.bench.peers import continuous_batching_unavailable
+from minivllm.course.bench.roofline import decode_floor
+from minivllm.course.bench.timing import copy_bandwidth
+from minivllm.course.bench.workloads import Workload, make_workload, warmup_workloads
 from minivllm.loader import CONFIGS, read_config
 from minivllm.model import Decoder
 
@@ -87,7 +87,7 @@ def test_copy_bandwidth_is_positive():
 
 
 def test_the_floor_is_priced_at_the_higher_of_copy_and_read(monkeypatch):
-    from minivllm.bench import timing
+    from minivllm.course.bench import timing
 
     assert timing.read_bandwidth("cpu", nbytes=2**22, repeats=3) > 0
     for bad in (dict(nbytes=0), dict(nbytes=2**20, repeats=True)):
@@ -134,7 +134,7 @@ def test_the_warm_up_takes_every_path_the_timed_run_takes(qwen3_model):
     work = Workload("test", [[rng.randrange(97) for _ in range(rng.randint(100, 200))] for _ in range(n)],
                     [rng.randint(1, 30) for _ in range(n)])
     llm = LLM(qwen3_model, max_num_seqs=n, enable_prefix_caching=False)
-    kv_heads, paths, run = qwen3_model.config.num_kv_heads, [], llm.engine.runner.run
+    kv_heads, paths, run = qwen3_model.config.num_kv_heads, [], llm.engine.core.runner.run
 
     def recording_run(schedule):
         decode = all(n == 1 and s.num_computed_tokens == s.num_tokens - 1 for s, n in
@@ -144,7 +144,7 @@ def test_the_warm_up_takes_every_path_the_timed_run_takes(qwen3_model):
         paths[-1].add(("decode", "split" if split else "one pass") if decode else ("prefill",))
         return run(schedule)
 
-    llm.engine.runner.run = recording_run
+    llm.engine.core.runner.run = recording_run
 
     def generate(w: Workload) -> None:
         paths.append(set())
@@ -162,7 +162,7 @@ def test_the_warm_up_takes_every_path_the_timed_run_takes(qwen3_model):
 def test_the_peer_stops_at_its_deadline_with_what_it_finished(qwen3_model):
     """transformers past its deadline: the requests it had not finished come back as None, and
     the roofline's row counts only those it finished."""
-    from minivllm.bench.peers import hf_generate_batch, to_transformers
+    from minivllm.course.bench.peers import hf_generate_batch, to_transformers
 
     if continuous_batching_unavailable():
         pytest.skip("this transformers has no continuous batching")

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from minivllm.bench.harness import StageResult
-from minivllm.bench.peers import continuous_batching_unavailable
-from minivllm.bench.tour import agreement
-from minivllm.cli import main
+from minivllm.course.bench.harness import StageResult
+from minivllm.course.bench.peers import continuous_batching_unavailable
+from minivllm.course.bench.tour import agreement
+from minivllm.entrypoints.cli import main
 
 
 def test_tour_writes_json_and_figure(tiny_checkpoint, tmp_path, monkeypatch):
@@ -48,7 +48,7 @@ def test_unknown_stage_is_refused(tiny_checkpoint):
 
 
 def test_large_workloads_sample_the_one_group_at_a_time_stages(tiny_checkpoint, tmp_path, monkeypatch):
-    import minivllm.bench.tour as tour
+    import minivllm.course.bench.tour as tour
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tour, "LARGE_WORKLOAD_TOKENS", 0)  # treat the tiny workload as large
@@ -65,7 +65,7 @@ def test_large_workloads_sample_the_one_group_at_a_time_stages(tiny_checkpoint, 
 def test_engines_are_built_before_the_clock_starts(tiny_checkpoint, tmp_path, monkeypatch):
     """An engine stage's set-up (its KV pool; on a GPU its CUDA graphs and the warm-up that
     compiles its kernels) is not generation: no engine is built while a stage is timed."""
-    import minivllm.bench.tour as tour
+    import minivllm.course.bench.tour as tour
     from minivllm.engine.llm_engine import LLMEngine
 
     monkeypatch.chdir(tmp_path)
@@ -94,8 +94,8 @@ def test_engines_are_built_before_the_clock_starts(tiny_checkpoint, tmp_path, mo
 def test_on_a_gpu_the_launch_bound_stages_always_run_a_sample():
     """The GPU tour's own workload (ladder_gpu: about 18k output tokens) is below the size at
     which a CPU samples; on a GPU naive decoding at ~26 tok/s would need over ten minutes for it."""
-    import minivllm.bench.tour as tour
-    from minivllm.bench.workloads import make_workload
+    import minivllm.course.bench.tour as tour
+    from minivllm.course.bench.workloads import make_workload
 
     work = make_workload(tour.GPU_DEFAULT_WORKLOAD, 151936)
     assert work.num_output_tokens < tour.LARGE_WORKLOAD_TOKENS
@@ -110,7 +110,7 @@ def test_a_time_limit_cuts_samples_and_every_row_is_saved_as_it_ends(tiny_checkp
     """Under a time limit a sampled stage runs at least one group and stops when its share is
     spent; the results are saved after every stage, marked incomplete until the last, and each
     row is printed as a plain line when it ends."""
-    import minivllm.bench.tour as tour
+    import minivllm.course.bench.tour as tour
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tour, "LARGE_WORKLOAD_TOKENS", 0)  # the tiny workload counts as large: naive is sampled
@@ -131,7 +131,7 @@ def test_a_time_limit_cuts_samples_and_every_row_is_saved_as_it_ends(tiny_checkp
 
 
 def test_a_stage_with_no_time_left_is_skipped_and_named(tiny_checkpoint, tmp_path, monkeypatch):
-    import minivllm.bench.tour as tour
+    import minivllm.course.bench.tour as tour
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tour, "MIN_STAGE_SECONDS", 1e9)

@@ -18,9 +18,9 @@ import pytest
 import torch
 import transformers
 
-from minivllm import text
-from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.sequence import Sequence
+from minivllm.course import text
+from minivllm.request.sampling_params import SamplingParams
+from minivllm.request.sequence import Sequence
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               max_position_embeddings=256, initializer_range=0.2, eos_token_id=None, bos_token_id=None)
@@ -71,7 +71,7 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_to
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 97) -> list[list[int]]:
-    """minivllm.text.random_prompts over the tiny models' vocabulary of 97."""
+    """minivllm.course.text.random_prompts over the tiny models' vocabulary of 97."""
     return text.random_prompts(lengths, vocab, seed)
 
 

@@ -1,6 +1,6 @@
 """Attention masks as boolean matrices: mask[i, j] is True when query i may attend to key j.
 
-Each chapter adds the mask of its idea; they are small enough to print, and minivllm/plots/masks.py draws them.
+Each chapter adds the mask of its idea; they are small enough to print, and minivllm/course/plots/masks.py draws them.
 """
 from __future__ import annotations
 

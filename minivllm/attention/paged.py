@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +26,22 @@ import torch.nn.functional as F
 from minivllm.attention.dense import attend
 from minivllm.attention.masks import chunk_mask
 
-if TYPE_CHECKING:  # a type hint only: attention sits below the model that calls it
-    from minivllm.model import Decoder
+
+class PooledModel(Protocol):
+    """What the pool reads of a model (a Decoder, or anything shaped like one): its config's
+    num_layers, num_kv_heads and head_dim, its device and its dtype. Attention sits below the
+    model that calls it, so it names no model class."""
+
+    config: Any
+    device: torch.device
+    dtype: torch.dtype
 
 
 class KVPool:
     """The physical KV memory: `num_blocks` blocks of `block_size` token slots, per layer, for
     `model` (read for its config's layers, KV heads and head_dim, its device and its dtype)."""
 
-    def __init__(self, model: Decoder, num_blocks: int, block_size: int):
+    def __init__(self, model: PooledModel, num_blocks: int, block_size: int):
         cfg = model.config
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=model.device, dtype=model.dtype)

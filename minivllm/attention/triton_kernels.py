@@ -43,7 +43,7 @@ kernel can only be as fast as the GPU reads memory, and a good one gets close.
 What Triton compiles. A kernel is compiled once per *variant*: its constexpr arguments, and
 what Triton assumes about the others unless told not to (an int equal to 1 or divisible by 16,
 a pointer aligned to 16 bytes). The engine's step inputs are views into one packed buffer
-(engine/prepare.py) whose offsets move with the step's numbers of tokens and sequences, and the
+(worker/prepare.py) whose offsets move with the step's numbers of tokens and sequences, and the
 tables' row stride is the step's longest table: left to Triton, each new parity or width would
 compile a variant in the middle of a run. Those arguments are marked `do_not_specialize` /
 `do_not_specialize_on_alignment` below (index arrays, read by scalar or gathering loads that

@@ -1,13 +1,10 @@
-"""Chapter 14: tensor parallelism — one model across several processes, on torch.distributed.
+"""Chapter 14, the model's half: tensor parallelism — one model's weights cut across N ranks.
 
-    layers.py    the parallel layers (column- and row-parallel linear, vocabulary-parallel embedding
-                 and LM head) and the Communicator: every collective the model calls
-    shard.py     rank r's shard of a Decoder: read it beside model.py
-    messages.py  a step as one message from rank 0 to the others
-    group.py     how the ranks find each other (spawned here, or started by torchrun)
-    worker.py    ranks 1 .. N-1: receive a step, run it, wait for the next
-    executor.py  rank 0: the engine's model runner, which also drives the other ranks
+    layers.py       the parallel layers (column- and row-parallel linear, vocabulary-parallel
+                    embedding and LM head) and the Communicator: every collective the model calls
+    shard.py        rank r's shard of a Decoder: read it beside model.py
+    direct_load.py  each rank reads only its own slices of a checkpoint
+    simulate.py     N ranks as N threads of one process, to watch the collectives
 
-It sits beside the engine: the engine builds a TensorParallelRunner when tensor_parallel_size > 1,
-and nothing above the model runner changes.
+The engine's half (rank 0 driving the other ranks each step) is executor/.
 """

@@ -22,7 +22,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.distributed.layers import Communicator, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_rows
+from minivllm.distributed.layers import (
+    Communicator,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_rows,
+)
 from minivllm.distributed.shard import kv_split, shard_config
 from minivllm.loader import Weights, default_device, default_dtype, open_weights
 from minivllm.model import Decoder, RotaryEmbedding

@@ -27,10 +27,16 @@ import dataclasses
 import torch
 from torch import nn
 
-from minivllm.config import ModelConfig
-from minivllm.distributed.layers import (Communicator, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-                                         column_parallel, row_parallel, vocab_shard)
-from minivllm.model import Decoder, RotaryEmbedding
+from minivllm.distributed.layers import (
+    Communicator,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel,
+    row_parallel,
+    vocab_shard,
+)
+from minivllm.model import Decoder, ModelConfig, RotaryEmbedding
 
 
 def check_shardable(config: ModelConfig, world_size: int) -> None:

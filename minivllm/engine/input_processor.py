@@ -18,25 +18,13 @@ import numbers
 import time
 from typing import Any
 
-import msgspec
-
-from minivllm.engine.config import EngineConfig
-from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.structured_outputs.backend import import_xgrammar, parse
+from minivllm.config.engine import EngineConfig
+from minivllm.request.messages import EngineCoreRequest
+from minivllm.request.sampling_params import SamplingParams
+from minivllm.structured_outputs.backend import import_xgrammar, parse
 
 AUTO_ID_PREFIX = "auto-"  # request ids the engine chooses; callers may not use it
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
-
-
-class EngineCoreRequest(msgspec.Struct, array_like=True):
-    """A request as the core sees it: token ids, never text (the text stays with the frontend).
-    arrival_time: time.perf_counter() when it arrived (a system-wide monotonic clock on Linux,
-    so the core process reads the same clock)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
 
 
 class InputProcessor:

@@ -1,15 +1,16 @@
 """The online engine: add requests at any time, run one step at a time, stream what each
 step produced, abort what is no longer wanted (chapter 7), built from three pieces (chapter 15):
 
-    add_request ──► InputProcessor ──► EngineCore ──► OutputProcessor ──► RequestOutputs
-                    checks, tokens     schedule,      text, stop strings,
-                                       run, sample    n completions, snapshots
+    add_request ──► InputProcessor ──► core client ──► EngineCore ──► OutputProcessor ──► RequestOutputs
+                    checks, tokens     (core_client.py)  schedule,     text, stop strings,
+                                                         run, sample   n completions, snapshots
 
-`step()` runs one core step and hands its news to the output processor; a completion that a
-stop string ended there is stopped in the core before the next step. `LLM` (llm.py) is a loop
-around this for offline batches. The server runs the same three pieces with the core in a
-process of its own (core_process/); here all three share the caller's thread, which is what
-a laptop and the tests want: no second process to start, to feed, or to leave behind.
+`step()` takes the core's next step and hands its news to the output processor; a completion
+that a stop string ended there is stopped in the core before its next step. `LLM`
+(entrypoints/llm.py) is a loop around this for offline batches. Where the core runs is the
+client's business (make_client): in this thread by default, which is what a laptop and the tests
+want (no second process to start, to feed, or to leave behind); in a process of its own with
+multiprocess=True (chapter 15); N copies with data_parallel_size=N (chapter 14).
 """
 from __future__ import annotations
 
@@ -18,81 +19,66 @@ from typing import Any
 
 import torch
 
-from minivllm.engine.config import EngineConfig
-from minivllm.engine.core import STEP_PHASES, EngineCore
+from minivllm.config.engine import EngineConfig
+from minivllm.core.engine_core import STEP_PHASES, EngineCore
+from minivllm.engine.core_client import InprocClient, make_client, refusal_error
 from minivllm.engine.input_processor import AUTO_ID_PREFIX, InputProcessor, Prompt
-from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.outputs import RequestOutput
-from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.trace import Trace
-from minivllm.loader import load_model, load_tokenizer
+from minivllm.engine.output_processor import OutputProcessor, RequestState
+from minivllm.engine.process_client import CoreDied
 from minivllm.model import Decoder
+from minivllm.request.messages import Failed, Refused, StepOutputs
+from minivllm.request.outputs import RequestOutput
+from minivllm.request.sampling_params import SamplingParams
 
-__all__ = ["AUTO_ID_PREFIX", "STEP_PHASES", "CorePart", "LLMEngine", "Prompt"]
-
-
-class CorePart:
-    """An attribute of the engine that is its core's: reading and setting it reach the core."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, engine: LLMEngine | None, owner: type) -> Any:
-        return self if engine is None else getattr(engine.core, self.name)
-
-    def __set__(self, engine: LLMEngine, value: Any) -> None:
-        setattr(engine.core, self.name, value)
+__all__ = ["AUTO_ID_PREFIX", "STEP_PHASES", "LLMEngine", "Prompt"]
 
 
 class LLMEngine:
     def __init__(
         self, model: Any = None, device: str | None = None, dtype: torch.dtype | None = None, tokenizer: Any = None,
-        config: EngineConfig | None = None, **settings: Any,
+        config: EngineConfig | None = None, multiprocess: bool = False, **settings: Any,
     ):
         """model: a minivllm Decoder, or any source load_model accepts (device and dtype are
         used only when loading). The tokenizer comes with the checkpoint when there is one.
         The engine's settings (block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs,
         max_model_len, attention, cuda_graphs, fused_ops, enable_prefix_caching, speculative_config,
-        disable_any_whitespace, tensor_parallel_size, async_scheduling) come as keywords or as one
-        EngineConfig, never both; see engine/config.py for what each one does."""
+        disable_any_whitespace, tensor_parallel_size, data_parallel_size, async_scheduling,
+        persistent_batch) come as keywords or as one EngineConfig, never both; see config/engine.py
+        for what each one does. multiprocess: the core in a process of its own (chapter 15);
+        data_parallel_size=N always runs N core processes. Call shutdown() when a core runs in
+        another process (it is also called when the engine is collected)."""
         if config is not None and settings:
             raise ValueError(f"pass the engine's settings as keywords or as config=EngineConfig(...), not both "
                              f"(got config and {', '.join(sorted(settings))})")
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if not isinstance(multiprocess, bool):
+            raise ValueError(f"multiprocess must be True or False, got {multiprocess!r}")
         config = config or EngineConfig.from_settings(**settings)  # checked before a model is loaded
-        if config.data_parallel_size > 1:
-            raise ValueError(f"data_parallel_size={config.data_parallel_size} runs that many engine cores, each in a "
-                             "process of its own, behind one router: use LLM(..., data_parallel_size=N) "
-                             "or `minivllm serve --data-parallel-size N`; LLMEngine is one core in this process")
-        if isinstance(model, Decoder):
-            self.model = model
-        elif config.tensor_parallel_size > 1:  # chapter 14: each rank reads its own shard; nobody loads the whole
-            from minivllm.distributed.direct_load import unloaded_model
+        self.client, self.tokenizer = make_client(model, config, tokenizer, device, dtype, multiprocess=multiprocess)
+        self.config: EngineConfig = self.client.config  # resolved for the model
+        self.input_processor = InputProcessor(self.tokenizer, self.client.info["vocab_size"], self.config)
+        self.output_processor = OutputProcessor(self.tokenizer)
 
-            self.model = unloaded_model(model, device=device, dtype=dtype)
-            tokenizer = tokenizer or load_tokenizer(model)
-        else:
-            self.model = load_model(model, device=device, dtype=dtype)
-            tokenizer = tokenizer or load_tokenizer(model)
-        self.tokenizer = tokenizer
-        self.config = config = config.resolve(self.model)
-        self.input_processor = InputProcessor(tokenizer, self.model.config.vocab_size, config)
-        self.core = EngineCore(self.model, config, tokenizer)
-        self.output_processor = OutputProcessor(tokenizer)
+    @property
+    def core(self) -> EngineCore:
+        """The engine core, when it runs in this thread: its scheduler, block manager, runner and
+        sampler are what the chapters draw and the tests look into (set core.trace = Trace() to
+        record every step)."""
+        if not isinstance(self.client, InprocClient):
+            raise RuntimeError("the engine core runs in another process: its parts cannot be reached from here "
+                               "(an engine with data_parallel_size=1 and multiprocess=False has its core in this thread)")
+        return self.client.core
 
-    # The core's parts, for the chapters' pictures and the tests that look inside a step (or
-    # swap a part: a runner with graphs, a timed scheduler). trace: set to Trace() to record every step.
-    scheduler = CorePart()
-    block_manager = CorePart()
-    runner = CorePart()
-    sampler = CorePart()
-    speculator = CorePart()
-    grammars = CorePart()
-    eos_token_ids = CorePart()
-    requests = CorePart()
-    trace: Trace | None = CorePart()
-    overlap = CorePart()  # chapter 16: the core's AsyncScheduler, or None (synchronous steps)
+    @property
+    def model(self) -> Decoder:
+        """The model, when the core runs in this thread."""
+        return self.core.model
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The requests not yet finished, by id."""
+        return self.output_processor.requests
 
     @property
     def max_model_len(self) -> int:
@@ -110,11 +96,14 @@ class LLMEngine:
         prompt: text, a list of token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
         request_id: any string not starting with "auto-", which marks the ids the engine chooses
         itself when given None (so the two can never collide). Raises ValueError, touching
-        nothing, if it cannot be served."""
+        nothing, if it cannot be served (a core in another process refuses at its next step()
+        instead)."""
         if prompt is None:
             raise ValueError("add_request needs a prompt: add_request(request_id=..., prompt=..., params=...)")
         text, request = self.input_processor.process(request_id, prompt, params, arrival_time)
-        self.core.add_request(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.client.add_request(request)
         self.output_processor.add_request(request, text)
         return request.request_id
 
@@ -127,16 +116,41 @@ class LLMEngine:
         """Stop a request (or several) now, all n of its completions, and free their blocks.
         Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.core.abort_requests(ids)
+        ids = [rid for rid in ids if rid in self.requests]
         for rid in ids:
             self.output_processor.abort_request(rid)
+        if ids:
+            self.client.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that got a new token,
-        finished ones included (FINAL_ONLY requests: only when they finish)."""
-        outputs, stopped = self.output_processor.process_outputs(self.core.step())
-        self.core.abort_sequences(stopped)  # stop strings end completions in the core too
+        finished ones included (FINAL_ONLY requests: only when they finish). With a core in
+        another process: its next step, ValueError for a request it refused (forgotten here),
+        RuntimeError if a core failed or died."""
+        if isinstance(self.client, InprocClient):
+            message = self.client.get_output()
+        elif not self.has_unfinished_requests():
+            return []
+        else:
+            try:
+                message = self.client.get_output()
+            except CoreDied as err:
+                raise RuntimeError(f"an engine core died: {err}") from err
+        if isinstance(message, Refused):
+            self.output_processor.abort_request(message.request_id)
+        if isinstance(message, Refused | Failed):
+            raise refusal_error(message)
+        if not isinstance(message, StepOutputs):
+            return []
+        outputs, stopped = self.output_processor.process_outputs(message.outputs)
+        if stopped:
+            self.client.stop_sequences(stopped)  # stop strings end completions in the core too
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the core's processes, if it has any (nothing to do for a core in this thread).
+        The engine cannot step afterwards."""
+        self.client.shutdown()

@@ -22,12 +22,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.engine.core import EngineCoreOutput
 from minivllm.engine.detokenizer import StopChecker
-from minivllm.engine.input_processor import EngineCoreRequest
-from minivllm.engine.logprobs import TopLogprobs
-from minivllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from minivllm.engine.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.request.logprobs import TopLogprobs
+from minivllm.request.messages import EngineCoreOutput, EngineCoreRequest
+from minivllm.request.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from minivllm.request.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass

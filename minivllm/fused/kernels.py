@@ -156,7 +156,7 @@ def _norm_rope_heads(
     tl.store(first_out + HALF, out2.to(dtype), mask=mask)
 
 
-# positions_ptr is a view into the step's packed inputs (engine/prepare.py), at an offset that moves
+# positions_ptr is a view into the step's packed inputs (worker/prepare.py), at an offset that moves
 # with the step's number of tokens: not specialised on its alignment, so a step compiles nothing new.
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _qk_norm_rope_kernel(

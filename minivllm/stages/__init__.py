@@ -6,8 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from minivllm.stages import (chunked_prefill, continuous, cuda_graphs, kv_cache, naive, paged, ragged_batch,
-                             static_batch, triton)
+from minivllm.stages import (
+                             chunked_prefill,
+                             continuous,
+                             cuda_graphs,
+                             kv_cache,
+                             naive,
+                             paged,
+                             ragged_batch,
+                             static_batch,
+                             triton,
+)
 
 Generate = Callable[..., list[list[int]]]
 

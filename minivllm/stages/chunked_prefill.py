@@ -22,7 +22,14 @@ import torch
 from minivllm.attention.masks import chunk_mask
 from minivllm.model import Decoder
 from minivllm.stages.common import StageStats, prepare
-from minivllm.stages.ragged_batch import RaggedAttention, Segment, Step, new_sequence, record_step, run_step
+from minivllm.stages.ragged_batch import (
+    RaggedAttention,
+    Segment,
+    Step,
+    new_sequence,
+    record_step,
+    run_step,
+)
 
 
 class ChunkedAttention(RaggedAttention):

@@ -2,7 +2,7 @@
 
 Chapter 6 still ran requests in groups: a newcomer waited until the whole group was done,
 and a request that finished early left its seat empty. Here the scheduler decides every
-step (engine/scheduler.py): finished requests leave at once, waiting ones join at once with
+step (core/scheduler.py): finished requests leave at once, waiting ones join at once with
 as much of their prompt as the token budget allows, and when KV blocks run out the newest
 request is preempted and recomputed later. The stage is a thin wrapper: greedy, ignore EOS,
 through `LLM`, exactly as a user would call it.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.trace import Trace
-from minivllm.llm import LLM
+from minivllm.core.trace import Trace
+from minivllm.entrypoints.llm import LLM
 from minivllm.model import Decoder
+from minivllm.request.sampling_params import SamplingParams
 from minivllm.stages.common import StageStats, prepare
 
 

@@ -4,7 +4,7 @@ Chapters 7 and 8 run the engine eagerly: every step, Python walks the layers and
 each small kernel one by one while the GPU waits. This stage is the same engine with
 chapter 9's switches on where they can be: decode steps replayed from CUDA graphs, the
 token-wise work as fused Triton kernels, Triton attention. Its batch preparation is the lean
-one (engine/prepare.py), like every engine stage since chapter 9.
+one (worker/prepare.py), like every engine stage since chapter 9.
 
 On a CPU there are no CUDA graphs and Triton runs only in its (slow) interpreter, so there
 this stage is chapter 7's engine with the lean step: the lesson of chapter 9 is a GPU's.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm.llm import LLM
+from minivllm.entrypoints.llm import LLM
 from minivllm.model import Decoder
 from minivllm.stages import continuous
 from minivllm.stages.common import StageStats

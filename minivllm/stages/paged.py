@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch
-from minivllm.engine.block_manager import BlockManager
+from minivllm.core.block_manager import BlockManager
 from minivllm.model import Decoder
 from minivllm.stages.chunked_prefill import check_plan, plan_step
 from minivllm.stages.common import StageStats, as_tensor, prepare

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm.llm import LLM
+from minivllm.entrypoints.llm import LLM
 from minivllm.model import Decoder
 from minivllm.stages import continuous
 from minivllm.stages.common import StageStats

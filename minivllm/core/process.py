@@ -1,0 +1,116 @@
+"""The core process (chapter 15): an EngineCore and a loop that never waits on anything but
+the model.
+
+    while True:
+        read every message in the inbox (block only when there is no work at all)
+        step = core.step()                    schedule -> run -> sample -> append
+        send StepOutputs(step's news, gauges) one message per step, whatever the batch size
+
+HTTP, tokenizing, detokenizing, stop strings and SSE all happen in the frontend process, so
+this loop holds the GIL alone: the frontend's Python for step k runs while the core computes
+step k + 1.
+
+Failure: a request the core cannot take is refused alone (Refused); a step that raises is the
+core's end (Failed, then exit code 1): its state may be half-updated, so carrying on could serve
+wrong tokens. The process asks the kernel to end it when its parent dies, and also checks its
+parent while idle, so a frontend that is killed leaves no core behind.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import zmq
+
+from minivllm.config.engine import EngineConfig
+from minivllm.core.engine_core import EngineCore
+from minivllm.request.messages import (
+    Abort,
+    AddRequest,
+    Failed,
+    Ready,
+    Refused,
+    Shutdown,
+    StepOutputs,
+    StopSequences,
+    encoder,
+    to_core_decoder,
+)
+
+log = logging.getLogger("minivllm.core")
+IDLE_POLL_MS = 500  # how long an idle core waits for a message before checking on its parent
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel send SIGTERM to this process when its parent exits."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the idle check on the parent still works
+        pass
+
+
+def run_core(model: Any, config: EngineConfig, tokenizer: Any, inbox: str, outbox: str,
+             device: str | None = None, dtype: torch.dtype | None = None, threads: int | None = None) -> None:
+    """The process' main: build the core, say Ready (with the resolved config), then serve
+    until Shutdown. inbox/outbox: ZMQ addresses the frontend has bound (PUSH -> PULL each way)."""
+    die_with_parent()
+    parent = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle: it tells us
+    torch.set_grad_enabled(False)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    context = zmq.Context()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    pull.connect(inbox)
+    push.connect(outbox)
+    try:
+        core = EngineCore.load(model, config, tokenizer, device, dtype)
+        push.send(encoder.encode(Ready(os.getpid())))
+        push.send_pyobj((core.info(), core.config))  # the input processor checks against this config
+        serve(core, pull, push, parent)
+    except Exception as err:
+        log.exception("the engine core failed")
+        push.send(encoder.encode(Failed(f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}")))
+        context.destroy(linger=2000)  # give the Failed message its chance to leave
+        sys.exit(1)
+    context.destroy(linger=0)
+
+
+def serve(core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent: int) -> None:
+    """The busy loop: messages between steps, one StepOutputs per step."""
+    while True:
+        busy = core.has_unfinished_requests()
+        if not busy and not pull.poll(IDLE_POLL_MS):
+            if os.getppid() != parent:  # the frontend is gone without a word
+                return
+            continue
+        changed = False
+        while pull.poll(0):
+            message = to_core_decoder.decode(pull.recv())
+            if isinstance(message, Shutdown):
+                return
+            changed = True
+            if isinstance(message, AddRequest):
+                try:
+                    core.add_request(message.request)
+                except Exception as err:  # this request fails alone; the others carry on
+                    push.send(encoder.encode(Refused(message.request.request_id, f"{type(err).__name__}: {err}",
+                                                     isinstance(err, ValueError))))
+            elif isinstance(message, Abort):
+                core.abort_requests(message.request_ids)
+            elif isinstance(message, StopSequences):
+                core.abort_sequences(message.sequences)
+        if core.has_unfinished_requests():
+            start = time.perf_counter()
+            outputs = core.step()
+            push.send(encoder.encode(StepOutputs(outputs, core.stats(), start, time.perf_counter())))
+        elif changed:  # an abort emptied the core: the gauges say so at once
+            push.send(encoder.encode(StepOutputs([], core.stats())))
