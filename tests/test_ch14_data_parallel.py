@@ -142,7 +142,7 @@ def test_the_offline_llm_with_two_copies_gives_one_engines_outputs(engine, expec
     try:
         params = SamplingParams(max_tokens=16, **GREEDY)
         got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        sent = list(llm.engine.client.client.sent)  # the router, behind the synchronous client
+        sent = list(llm.engine.client.async_client.sent)  # the router, behind the synchronous client
         # A prompt that is refused at the door leaves the copies as they were; the next batch runs.
         with pytest.raises(ValueError, match="prompt 1"):
             llm.generate(["x = [", "y" * 10_000], params, use_tqdm=False)

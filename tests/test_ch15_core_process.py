@@ -256,13 +256,22 @@ def test_the_core_dying_fails_every_request_within_5_s_and_health_says_503(defau
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # uvicorn's SystemExit(3)
-def test_a_core_that_cannot_start_fails_the_start_and_leaves_nothing_behind(default_model, chat_tokenizer):
+def test_a_core_that_cannot_start_fails_the_start_and_leaves_nothing_behind(default_model, chat_tokenizer,
+                                                                             monkeypatch):
     import dataclasses
-    import glob
+    import tempfile
 
     engine = LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE)
     engine.config = dataclasses.replace(engine.config, max_model_len=10**6)  # the core process refuses it
-    children, folders = set(psutil.Process().children(recursive=True)), set(glob.glob("/tmp/minivllm-core-*"))
+    children, folders, mkdtemp = set(psutil.Process().children(recursive=True)), [], tempfile.mkdtemp
+
+    def recorded_mkdtemp(*args, **kwargs):  # the core's socket folders this test makes, and no other program's
+        folder = mkdtemp(*args, **kwargs)
+        if "minivllm-core-" in folder:
+            folders.append(folder)
+        return folder
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded_mkdtemp)
     with pytest.raises(RuntimeError, match="did not start"):
         with running_server(engine, core_process=True):
             pass
@@ -274,7 +283,8 @@ def test_a_core_that_cannot_start_fails_the_start_and_leaves_nothing_behind(defa
             break
         time.sleep(0.1)
     assert not left, [" ".join(p.cmdline()) for p in left]
-    assert set(glob.glob("/tmp/minivllm-core-*")) <= folders
+    assert folders, "the start made no folder for its sockets: the check proves nothing"
+    assert not [f for f in folders if os.path.exists(f)], folders
 
 
 def free_port() -> int:

@@ -82,7 +82,7 @@ class SyncClient:
     remote = True
 
     def __init__(self, client: CoreProcessClient | DataParallelClient):
-        self.client = client
+        self.async_client = client
         self._loop = asyncio.new_event_loop()
         thread = threading.Thread(target=self._loop.run_forever, name="minivllm-core-client", daemon=True)
         thread.start()
@@ -98,7 +98,7 @@ class SyncClient:
 
     @property
     def alive(self) -> bool:
-        return self._finalizer.alive and self.client.alive
+        return self._finalizer.alive and self.async_client.alive
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if not self._finalizer.alive:
@@ -115,7 +115,7 @@ class SyncClient:
     def get_output(self) -> FromCore:
         """The next message of the core(s). Raises CoreDied if a core process has died."""
         if self._receiving is None:
-            self._receiving = asyncio.run_coroutine_threadsafe(self.client.receive(), self._loop)
+            self._receiving = asyncio.run_coroutine_threadsafe(self.async_client.receive(), self._loop)
         try:
             return self._receiving.result()
         finally:
@@ -129,7 +129,7 @@ class SyncClient:
     def _send(self, message: Any) -> None:
         """Call the client on its event loop: zmq.asyncio's sockets look for the running loop."""
         async def call() -> None:
-            self.client.send(message)
+            self.async_client.send(message)
 
         self._wait(call())
 
