@@ -5,7 +5,6 @@ each chapter's checks run the engine as that chapter built it, and, in a student
 that stops on another chapter's stub names the exercise to do first."""
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -16,15 +15,15 @@ import torch
 from tiny_models import CHAT_TEMPLATE, CONFIGS, hf_greedy, tiny_hf_model
 
 import minivllm
+from minivllm.config import engine as engine_config
 from minivllm.course.exercises import prerequisite_note
 
 torch.set_num_threads(1)  # tiny models gain nothing from a second thread; a shared machine loses a lot
 
 
-# Engine defaults that a later chapter turned on: chapter -> (module, name, the value before it).
-# Before chapter 11 the engine has no prefix cache, whose exercises a student meets in chapter 11.
-LATER_DEFAULTS = {"ch11": ("minivllm.config.engine", "PREFIX_CACHING_DEFAULT", False),
-                  "ch16": ("minivllm.config.engine", "PERSISTENT_BATCH_DEFAULT", False)}
+# Engine defaults that a later chapter turned on: chapter -> (name in minivllm.config.engine, the value
+# before it). The same table makes a student copy's engine the one its solved chapters built.
+LATER_DEFAULTS = engine_config.LATER_DEFAULTS
 
 
 def chapters_of(node: pytest.Item | pytest.Collector) -> list[str]:
@@ -39,9 +38,9 @@ def engine_as_of(node: pytest.Item | pytest.Collector) -> Iterator[None]:
     enable_prefix_caching=True, still gets it). Nodes without a chapter get today's engine."""
     chapters = chapters_of(node)
     with pytest.MonkeyPatch.context() as patch:
-        for chapter, (module, name, before) in LATER_DEFAULTS.items():
+        for chapter, (name, before) in LATER_DEFAULTS.items():
             if chapters and max(chapters) < chapter:
-                patch.setattr(importlib.import_module(module), name, before)
+                patch.setattr(engine_config, name, before)
         yield
 
 

@@ -372,3 +372,38 @@ def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter):
     assert not unnamed, (f"{len(unnamed)} {chapter} checks fail without naming one of the chapter's exercises "
                          f"({', '.join(ex.qualname for ex in mine)}); the first:\n"
                          + "\n\n".join(f"{test}\n{text[:1500]}" for test, text in unnamed[:3]))
+
+
+STUDENT_SCRIPT = """
+from minivllm import LLM, SamplingParams
+out = LLM().generate(["def add(a, b):"], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 8, out
+"""
+
+
+@solutions
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("first_stub", ["ch12", "ch16"])
+def test_a_student_copy_runs_the_chapters_it_has_reached_outside_pytest(tmp_path, monkeypatch, first_stub):
+    """With chapters `first_stub`..16 stubbed and the earlier ones solved, outside pytest (no
+    conftest): a plain script's LLM().generate runs, and the notebook of the chapter before the
+    first stub executes top to bottom. The copy's engine is the one its solved chapters built
+    (config/engine.py's STUBBED_CHAPTERS_FILE): without that, chapter 16's persistent batch and
+    chapter 11's prefix cache, both on by default, stop on their stubs."""
+    nbformat, nbclient = pytest.importorskip("nbformat"), pytest.importorskip("nbclient")
+    copy = tmp_path / "student"
+    make_student_copy(copy, chapters=[chapter for chapter in NOTEBOOKS if chapter >= first_stub])
+    assert (copy / exercises.STUBBED_CHAPTERS).read_text().split()[0] == first_stub
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", STUDENT_SCRIPT], cwd=copy, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, f"LLM().generate in a copy stubbed from {first_stub}:\n{result.stderr[-3000:]}"
+    reached = CHAPTERS[CHAPTERS.index(first_stub) - 1]
+    notebook = copy / NOTEBOOKS[reached]
+    for name, value in env.items():  # the notebook's kernel inherits them
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    client = nbclient.NotebookClient(nbformat.read(notebook, as_version=4), timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(notebook.parent)}})
+    client.execute()  # raises CellExecutionError, naming the cell, on the first failure

@@ -25,6 +25,7 @@ import dataclasses
 import importlib.util
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,17 +33,41 @@ import torch
 from minivllm.config.speculative import SpeculativeConfig
 from minivllm.model import Decoder
 
-# Chapter 11's prefix caching is on unless asked otherwise, as in vLLM. (The checks of chapters
-# 7-10 turn this default off, so that they test the engine as those chapters built it.)
-PREFIX_CACHING_DEFAULT = True
+# ---- the classroom: the engine as of the student's chapter ----
+# A student copy (`minivllm exercises make`, course/exercises.py) lists in this file the chapters whose
+# exercises are still stubs. A default that one of those chapters turned on is then what it was before
+# that chapter, for every caller: LLM(), the server, notebooks, chapter scripts, and a core process,
+# which reads this same module. So a student who has solved chapters 1..N-1 runs, everywhere, the engine
+# those chapters built; an explicit setting (enable_prefix_caching=True) still wins. The repository
+# itself has no such file: every chapter is built. (The checks use the same table the other way round:
+# tests/conftest.py turns a later chapter's defaults off for an earlier chapter's checks.)
+STUBBED_CHAPTERS_FILE = Path(__file__).with_name("stubbed_chapters.txt")
+
+
+def stubbed_chapters(path: Path = STUBBED_CHAPTERS_FILE) -> frozenset[str]:
+    """The chapters ("ch08", ...) whose exercises are stubs in this copy; none outside a student copy."""
+    return frozenset(path.read_text().split()) if path.is_file() else frozenset()
+
+
+def built(chapter: str) -> bool:
+    """Whether this copy's engine has `chapter` (its exercises are solved)."""
+    return chapter not in STUBBED
+
+
+STUBBED = stubbed_chapters()
+# Chapter 11's prefix caching is on unless asked otherwise, as in vLLM.
+PREFIX_CACHING_DEFAULT = built("ch11")
 # Chapter 13: JSON under a constraint is written without free whitespace unless a request asks
 # for it. vLLM's default is the other way round; measured on the embedded model, free whitespace
 # lets a small model write newlines until max_tokens (see README, chapter 13).
 DISABLE_ANY_WHITESPACE_DEFAULT = True
-# Chapter 16: the runner keeps block tables in rows across steps (worker/input_batch.py). The checks
-# of chapters 7-14 turn this default off, so that they test the runner as those chapters built it;
-# being a setting (not a switch in the runner's module), it travels with the config into a core process.
-PERSISTENT_BATCH_DEFAULT = True
+# Chapter 16: the runner keeps block tables in rows across steps (worker/input_batch.py). Being a
+# setting (not a switch in the runner's module), it travels with the config into a core process.
+PERSISTENT_BATCH_DEFAULT = built("ch16")
+# The defaults above that a chapter turned on: chapter -> (the name here, its value before that chapter).
+# On a GPU, chapters 8, 9 and 16 also chose Triton attention, CUDA graphs, fused ops and async
+# scheduling: `resolve` asks built() for those.
+LATER_DEFAULTS = {"ch11": ("PREFIX_CACHING_DEFAULT", False), "ch16": ("PERSISTENT_BATCH_DEFAULT", False)}
 GPU_KV_FRACTION = 0.8  # of the GPU memory still free once the model is loaded
 CPU_KV_BYTES = 256 * 2**20  # a fixed KV budget on CPU, where "free memory" means little
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -155,9 +180,12 @@ class EngineConfig:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs one GPU per rank; "
                                  f"this machine has {torch.cuda.device_count()}")
         attention = self.attention or default_attention(model.device)
+        if self.attention is None and attention == "triton" and not built("ch08"):  # the classroom, above
+            attention = "torch"
         if self.cuda_graphs and not on_gpu:
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {model.device}")
-        cuda_graphs = self.cuda_graphs if self.cuda_graphs is not None else on_gpu and attention == "triton"
+        cuda_graphs = self.cuda_graphs if self.cuda_graphs is not None else (
+            on_gpu and attention == "triton" and built("ch09"))
         if cuda_graphs and attention == "torch":
             # A graph fixes every shape at capture, so chapter 6's decode would gather the longest
             # context the engine allows for every row of the largest batch, in every layer.
@@ -168,7 +196,7 @@ class EngineConfig:
                 f"max_model_len={max_model_len:,} tokens of K and V for each of max_num_seqs={self.max_num_seqs} rows, "
                 f"{gathered / 2**30:,.1f} GiB per layer. Use attention='triton' (the default on a GPU) or cuda_graphs=False.")
         fused_ops = self.fused_ops if self.fused_ops is not None else (
-            on_gpu and importlib.util.find_spec("triton") is not None)
+            on_gpu and importlib.util.find_spec("triton") is not None and built("ch09"))
         prefix_caching = PREFIX_CACHING_DEFAULT if self.enable_prefix_caching is None else self.enable_prefix_caching
         no_whitespace = self.disable_any_whitespace
         if no_whitespace is None:
@@ -178,7 +206,8 @@ class EngineConfig:
                              "whose input ids are all known on the host")
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
-            async_scheduling = default_async_scheduling(model.device) and self.tensor_parallel_size == 1
+            async_scheduling = (default_async_scheduling(model.device) and self.tensor_parallel_size == 1
+                                and built("ch16"))
         persistent_batch = PERSISTENT_BATCH_DEFAULT if self.persistent_batch is None else self.persistent_batch
         num_kv_blocks = self.num_kv_blocks
         if num_kv_blocks is None:

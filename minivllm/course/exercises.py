@@ -30,6 +30,7 @@ from pathlib import Path
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"  # a marker is a line holding exactly this
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # minivllm/ (this file is minivllm/course/exercises.py)
 PROJECT_ROOT = PACKAGE_DIR.parent
+STUBBED_CHAPTERS = "minivllm/config/stubbed_chapters.txt"  # read by config/engine.py (config.engine.STUBBED_CHAPTERS_FILE)
 
 NOTEBOOKS = {
     "ch01": "notebooks/01_naive_decode.ipynb",
@@ -345,6 +346,11 @@ def make_student_copy(dest: Path | str, chapters: Iterable[str] | None = None, r
             shutil.copymode(root / relative, target)
         else:
             shutil.copy2(root / relative, target)
+    # The engine as of the student's chapter (config/engine.py): a default that a stubbed chapter turned
+    # on is off in this copy, for notebooks, scripts, LLM() and the server alike, not only under pytest.
+    stubbed = sorted({ex.chapter for ex in chosen})
+    if stubbed:
+        (dest / STUBBED_CHAPTERS).write_text("\n".join(stubbed) + "\n")
     return chosen
 
 
