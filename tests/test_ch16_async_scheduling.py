@@ -193,3 +193,49 @@ def test_the_setting_is_checked(qwen3_model):
     assert EngineConfig(async_scheduling=True).resolve(qwen3_model).async_scheduling is True
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(async_scheduling=True, tensor_parallel_size=2).resolve(qwen3_model)
+
+
+def test_feed_writes_each_token_over_its_own_placeholder():
+    """Exercise 16.2, focused: SampledTokens.feed writes the last step's token of each sequence
+    over that sequence's placeholder, at query_start[i] + (num_tokens - 1 - num_computed_tokens):
+    for a decode the first entry of its row, for a chunk that ends in its placeholder (a sequence
+    recomputed after preemption) an entry inside its chunk. Nothing else of the buffer changes."""
+    import numpy as np
+    import torch
+
+    from minivllm.request.sequence import Sequence
+    from minivllm.worker.prepare import StepArrays
+    from minivllm.worker.sampled_tokens import SampledTokens
+
+    def seq(name: str, num_tokens: int, num_computed: int, placeholder: bool) -> Sequence:
+        s = Sequence(name, list(range(num_tokens - placeholder)), SamplingParams(), 64)
+        if placeholder:
+            s.token_ids.append(PLACEHOLDER)
+            s.num_output_placeholders = 1
+        s.num_computed_tokens = num_computed
+        return s
+
+    decode = seq("decode", 7, 6, True)  # one row: its placeholder is its first and only entry
+    chunk = seq("chunk", 10, 6, True)  # rows for positions 6..9: the placeholder is the 4th
+    prefill = seq("prefill", 5, 0, False)  # no placeholder: untouched
+    stranger = seq("stranger", 4, 3, True)  # a placeholder, but not a sequence of the step being fed
+    seqs = [prefill, chunk, decode, stranger]
+    lens = [5, 4, 1, 1]
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    T = int(starts[-1])
+    empty = np.zeros(0, dtype=np.int64)
+    arrays = StepArrays(np.zeros(T, dtype=np.int64), empty, empty, starts, empty, np.zeros((4, 0), dtype=np.int64),
+                        empty, [])
+    flat = torch.arange(100, 100 + T + 8)  # the input ids, then the rest of a packed step: must not change
+    sampled = SampledTokens([decode, chunk], device=torch.tensor([7001, 7002]))  # rows: decode 0, chunk 1
+    expected = flat.clone()
+    expected[int(starts[2]) + 0] = 7001  # decode: query_start[2] + (7 - 1 - 6)
+    expected[int(starts[1]) + 3] = 7002  # chunk: query_start[1] + (10 - 1 - 6)
+    sampled.feed(seqs, arrays, flat)
+    wrong = [i for i in range(len(flat)) if int(flat[i]) != int(expected[i])]
+    assert not wrong, (
+        "feed must write row j's token at query_start[i] + (seq.num_tokens - 1 - seq.num_computed_tokens), the "
+        "entry of the placeholder inside sequence i's rows, only for sequences of the step being fed that have a "
+        f"placeholder; here the decode's token belongs at flat[{int(starts[2])}] and the chunk's at "
+        f"flat[{int(starts[1]) + 3}] (its 4th row, not its first). Entries that differ: "
+        + ", ".join(f"flat[{i}] = {int(flat[i])}, expected {int(expected[i])}" for i in wrong))
