@@ -116,6 +116,45 @@ def test_new_delta_sends_each_token_once():
     assert (last.token_ids, last.finish_reason) == ([9], "length")
 
 
+class GrowingText:
+    """A stand-in for a completion's StopChecker: the text it may show now, set by the check."""
+
+    def __init__(self) -> None:
+        self.shown = ""
+
+    def visible(self, final: bool) -> str:
+        return self.shown
+
+
+def test_new_delta_sends_each_character_and_logprob_once():
+    """Exercise 15.1, focused: the delta's text is the visible text past sent_chars (not all of
+    it, not the tokens' count of characters), its logprobs those of its own tokens; text held
+    back (half a character, a possible stop string) comes with a later delta."""
+    text = GrowingText()
+    completion = CompletionState(0, text, logprobs=[], cumulative_logprob=0.0)
+    steps = [  # (new token, its logprob entry, the visible text after it, the text this delta must carry)
+        (5, {5: -0.5}, "ab", "ab"),
+        (6, {6: -0.25}, "abc", "c"),
+        (7, {7: -1.0}, "abc", ""),  # held back: may begin a stop string
+        (8, {8: -2.0}, "abcdef", "def"),  # one token may release several characters
+    ]
+    for token, logprob, shown, want in steps:
+        completion.token_ids.append(token)
+        completion.logprobs.append(logprob)
+        text.shown = shown
+        sent_before = completion.sent_chars
+        delta = new_delta(completion)
+        assert delta.text == want, (f"after token {token}, with {shown!r} visible and {sent_before} "
+                                    f"characters sent before, the delta's text must be the visible text past "
+                                    f"sent_chars, {want!r}; got {delta.text!r}")
+        assert delta.token_ids == [token] and delta.logprobs == [logprob], \
+            f"each delta carries only its own tokens and their logprobs: got {delta.token_ids}, {delta.logprobs}"
+        assert (completion.sent_tokens, completion.sent_chars) == (len(completion.token_ids), len(shown)), \
+            "afterwards sent_tokens and sent_chars must cover everything the delta sent"
+    again = new_delta(completion)
+    assert (again.text, again.token_ids) == ("", []), "a second call right after must give nothing new"
+
+
 def test_messages_cross_the_wire_unchanged():
     params = SamplingParams(max_tokens=3, stop=["x"], logprobs=1, seed=3, temperature=0.5,
                             structured_outputs=StructuredOutputsParams(regex="a+"))
