@@ -121,6 +121,35 @@ def test_a_preempted_request_is_rewritten():
     assert batch.step_arrays([a], [1]).block_tables.tolist() == [[8, 2, 4]]
 
 
+def test_update_rewrites_the_row_of_a_request_preempted_since_and_then_only_its_differences():
+    """Exercise 16.1, focused, on update itself: a request preempted since its row was written
+    (version[row] != seq.num_preemptions) has its row cleared and written whole, even when its new
+    table is as long as the old one, and version[row] becomes the new count; the next step, whose
+    table did not change, writes nothing."""
+    batch = InputBatch(max_num_seqs=2, width=8, block_size=4, device=torch.device("cpu"))
+    a = make_seq("a", list(range(9)), 8, [3, 5, 6])
+    a.status = Status.RUNNING
+    (row,) = batch.update([a])
+    a.block_table, a.num_preemptions = [8, 2, 4], 1  # recomputed into other blocks, as many as before
+    assert batch.update([a]).tolist() == [row], "a running request keeps its row"
+    held = batch.tables[row].tolist()
+    assert held[:4] == [8, 2, 4, -1], (
+        f"a request preempted since its row was written (version 0 != num_preemptions 1) must have its row "
+        f"cleared and written whole from its new table [8, 2, 4], even though it is as long as the old one "
+        f"[3, 5, 6]: the row holds {held[:4]}")
+    assert int(batch.num_blocks[row]) == 3 and int(batch.version[row]) == 1, (
+        f"after the rewrite num_blocks[row] must be the table's length (3) and version[row] the preemption count "
+        f"(1): got {int(batch.num_blocks[row])} and {int(batch.version[row])}")
+    a.block_table = [8, 2, 4, 1]  # it grows again by one block: only that block is written
+    writes, tables = [], batch.tables
+    batch.tables = Spy(tables, writes)
+    batch.update([a])
+    assert writes == [(row, slice(3, 4, None), [1])], f"only the block it gained is written, got {writes}"
+    writes.clear()
+    batch.update([a])
+    assert writes == [], f"an unchanged table writes nothing, got {writes}"
+
+
 class Spy:
     """Records the writes into an array (row, columns, values), reads pass through."""
 
