@@ -26,7 +26,8 @@ from server_checks import ENGINE, MODEL, TIMEOUT, chunks_of, expect_status, metr
     running_server, wait_until_idle
 
 from minivllm import LLM, LLMEngine, SamplingParams
-from minivllm.request.messages import AddRequest, StepOutputs, encoder, from_core_decoder, to_core_decoder
+from minivllm.request.messages import (Abort, AddRequest, Refused, StepOutputs, StopSequences, encoder, from_core_decoder,
+                                       to_core_decoder)
 from minivllm.request.messages import EngineCoreOutput, EngineCoreStats
 from minivllm.request.messages import EngineCoreRequest
 from minivllm.request.logprobs import TopLogprobs
@@ -398,3 +399,49 @@ def test_the_cheap_model_is_the_named_shape_with_the_embedded_tokenizer(tmp_path
     assert tokenizer.encode("def f(x):") == chat_tokenizer.encode("def f(x):")
     run = offline_run(folder, users=1)
     assert run["requests"] == 32 and run["output_tokens"] > run["requests"] and run["seconds"] > 0
+
+
+class RecordingCore:
+    """A stand-in EngineCore for exercise 15.2: records what it is asked; refuses requests by id."""
+
+    def __init__(self, refusals: dict[str, Exception]):
+        self.refusals, self.calls = refusals, []
+
+    def add_request(self, request):
+        if request.request_id in self.refusals:
+            raise self.refusals[request.request_id]
+        self.calls.append(("add", request.request_id))
+
+    def abort_requests(self, request_ids):
+        self.calls.append(("abort", list(request_ids)))
+
+    def abort_sequences(self, sequences):
+        self.calls.append(("stop", [tuple(s) for s in sequences]))
+
+
+def test_apply_message_adds_aborts_stops_and_refuses_a_request_alone():
+    """The core loop's step between two steps: each message reaches the core as its own call; a request the core
+    cannot take comes back as Refused, a 400 for a ValueError and a 500 for anything else, and
+    the loop (and every other request) carries on."""
+    from minivllm.core.process import apply_message
+
+    core = RecordingCore({"bad": ValueError("prompt too long"), "broken": RuntimeError("out of memory")})
+    params = SamplingParams(max_tokens=2)
+    replies = [apply_message(core, message) for message in (
+        AddRequest(EngineCoreRequest("ok", [1, 2], params, 0.0)),
+        AddRequest(EngineCoreRequest("bad", [1, 2], params, 0.0)),
+        AddRequest(EngineCoreRequest("broken", [1, 2], params, 0.0)),
+        Abort(["x", "y"]),
+        StopSequences([("ok", 0)]),
+    )]
+    assert core.calls == [("add", "ok"), ("abort", ["x", "y"]), ("stop", [("ok", 0)])], (
+        "AddRequest -> core.add_request, Abort -> core.abort_requests(its ids), StopSequences -> "
+        f"core.abort_sequences(its sequences), each once and in order; the core was asked: {core.calls}")
+    assert replies[0] is None and replies[3:] == [None, None], f"only a refused request gets a reply: {replies}"
+    bad, broken = replies[1], replies[2]
+    assert isinstance(bad, Refused) and (bad.request_id, bad.bad_request) == ("bad", True), (
+        f"a ValueError is the request's own fault: Refused('bad', ..., bad_request=True), got {bad!r}")
+    assert bad.message == "ValueError: prompt too long", f"the message names the error's type and text: {bad.message!r}"
+    assert isinstance(broken, Refused) and (broken.request_id, broken.bad_request) == ("broken", False), (
+        f"any other error is the core's failure on this request: Refused('broken', ..., bad_request=False), "
+        f"got {broken!r}")

@@ -84,6 +84,29 @@ def run_core(model: Any, config: EngineConfig, tokenizer: Any, inbox: str, outbo
     context.destroy(linger=0)
 
 
+def apply_message(core: EngineCore, message: AddRequest | Abort | StopSequences) -> Refused | None:
+    """Apply one message from the frontend to the core, between two steps.
+
+    AddRequest: queue message.request with core.add_request. A request the core cannot take
+    must not end the loop, nor touch the other requests: return Refused(its request_id,
+    f"{type(err).__name__}: {err}", bad_request), where bad_request is True when err is a
+    ValueError (the request's own fault: the frontend answers 400) and False for any other
+    Exception (the core failed on it: a 500). Abort: core.abort_requests(message.request_ids).
+    StopSequences: core.abort_sequences(message.sequences), the completions a stop string ended
+    in the frontend. Returns None for everything but a refused AddRequest. (Shutdown is the
+    loop's own: it never reaches here.)"""
+    if isinstance(message, AddRequest):
+        try:
+            core.add_request(message.request)
+        except Exception as err:  # this request fails alone; the others carry on
+            return Refused(message.request.request_id, f"{type(err).__name__}: {err}", isinstance(err, ValueError))
+    elif isinstance(message, Abort):
+        core.abort_requests(message.request_ids)
+    elif isinstance(message, StopSequences):
+        core.abort_sequences(message.sequences)
+    return None
+
+
 def serve(core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent: int) -> None:
     """The busy loop: messages between steps, one StepOutputs per step."""
     while True:
@@ -98,16 +121,9 @@ def serve(core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent: int) -> 
             if isinstance(message, Shutdown):
                 return
             changed = True
-            if isinstance(message, AddRequest):
-                try:
-                    core.add_request(message.request)
-                except Exception as err:  # this request fails alone; the others carry on
-                    push.send(encoder.encode(Refused(message.request.request_id, f"{type(err).__name__}: {err}",
-                                                     isinstance(err, ValueError))))
-            elif isinstance(message, Abort):
-                core.abort_requests(message.request_ids)
-            elif isinstance(message, StopSequences):
-                core.abort_sequences(message.sequences)
+            refused = apply_message(core, message)
+            if refused is not None:
+                push.send(encoder.encode(refused))
         if core.has_unfinished_requests():
             start = time.perf_counter()
             outputs = core.step()
