@@ -36,7 +36,6 @@ import torch
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import ServerMetrics
-from minivllm.machine import environment
 from minivllm.request.outputs import RequestOutput
 from minivllm.request.sampling_params import SamplingParams
 
@@ -191,13 +190,8 @@ class AsyncEngine:
         return self.engine.tokenize(prompt)
 
     def engine_info(self) -> dict[str, Any]:
-        """The engine's facts for /server_info."""
-        engine = self.engine
-        return {"vocab_size": engine.model.config.vocab_size, "max_model_len": engine.max_model_len,
-                "block_size": engine.core.block_manager.block_size, "num_kv_blocks": engine.core.block_manager.num_blocks,
-                "max_num_seqs": engine.core.scheduler.max_num_seqs,
-                "max_num_batched_tokens": engine.core.scheduler.max_num_batched_tokens,
-                "environment": environment(engine.model)}
+        """The engine's facts for /server_info: its core's, as a core process reports them."""
+        return self.engine.core.info()
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; returns its stream once the engine has taken it. Raises ValueError
