@@ -10,6 +10,7 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     max_model_len           the model's context                          7
     attention               "triton" on a GPU with Triton, else "torch"  6, 8
     cuda_graphs             on with Triton attention on a GPU            9
+    piecewise_graphs        on with cuda_graphs                          9
     fused_ops               on on a GPU with Triton                      9
     enable_prefix_caching   on, as in vLLM                               11
     speculative_config      off (None); a dict as vLLM's                 12
@@ -119,6 +120,7 @@ class EngineConfig:
     max_model_len: int | None = None  # the longest sequence, prompt and output together
     attention: str | None = None  # how paged attention reads the cache: "torch" or "triton"
     cuda_graphs: bool | None = None  # replay decode steps from CUDA graphs (CUDA only)
+    piecewise_graphs: bool | None = None  # replay prompt-carrying steps from graphs cut at attention
     fused_ops: bool | None = None  # the token-wise work as fused Triton kernels
     enable_prefix_caching: bool | None = None  # share the KV blocks of common prefixes
     speculative_config: dict | SpeculativeConfig | None = None  # chapter 12: guess tokens, verify them in one pass
@@ -136,7 +138,7 @@ class EngineConfig:
             check_setting(name, getattr(self, name), minimum, allow_none)
         if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
-        for name in ("cuda_graphs", "fused_ops"):
+        for name in ("cuda_graphs", "piecewise_graphs", "fused_ops"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be True, False or None (automatic), got {value!r}")
@@ -195,6 +197,10 @@ class EngineConfig:
                 f"cuda_graphs=True needs attention='triton': inside a captured graph attention='torch' gathers "
                 f"max_model_len={max_model_len:,} tokens of K and V for each of max_num_seqs={self.max_num_seqs} rows, "
                 f"{gathered / 2**30:,.1f} GiB per layer. Use attention='triton' (the default on a GPU) or cuda_graphs=False.")
+        if self.piecewise_graphs and not cuda_graphs:
+            raise ValueError("piecewise_graphs=True needs cuda_graphs: the pieces share the decode graphs' memory pool "
+                             "and are captured beside them; turn cuda_graphs on or piecewise_graphs off")
+        piecewise_graphs = cuda_graphs if self.piecewise_graphs is None else self.piecewise_graphs
         fused_ops = self.fused_ops if self.fused_ops is not None else (
             on_gpu and importlib.util.find_spec("triton") is not None and built("ch09"))
         prefix_caching = PREFIX_CACHING_DEFAULT if self.enable_prefix_caching is None else self.enable_prefix_caching
@@ -216,6 +222,6 @@ class EngineConfig:
             log.info("KV cache: %s blocks × %d tokens = %s tokens, %s MiB on %s", f"{num_kv_blocks:,}",
                      self.block_size, f"{num_kv_blocks * self.block_size:,}", f"{mib:,.0f}", model.device)
         return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, attention=attention,
-                                   cuda_graphs=cuda_graphs, fused_ops=fused_ops, enable_prefix_caching=prefix_caching,
+                                   cuda_graphs=cuda_graphs, piecewise_graphs=piecewise_graphs, fused_ops=fused_ops, enable_prefix_caching=prefix_caching,
                                    disable_any_whitespace=no_whitespace, async_scheduling=async_scheduling,
                                    persistent_batch=persistent_batch)

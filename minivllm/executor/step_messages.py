@@ -8,9 +8,9 @@ each block just holds that rank's own KV heads.
 
 A broadcast must know its size on every rank, so a message is a fixed header, then its body:
 
-    header [8]: kind (STEP or STOP), T tokens, S rows, W block-table width, R sampling rows,
-                the step's real sequences, the CUDA graph's batch size (-1: eager), P sequences
-                that want prompt logprobs
+    header [9]: kind (STEP or STOP), T tokens, S rows, W block-table width, R sampling rows,
+                the step's real sequences, the CUDA graph's batch size (-1: none), the pieces'
+                token count (-1: none; both -1: eager), P sequences that want prompt logprobs
     body:       arrays.pack() | samplers [R] | P × (sequence, first row, end row)
 
 Messages travel on their own gloo group (see group.py), on the CPU even when the model runs
@@ -26,12 +26,12 @@ from minivllm.worker.model_runner import StepPlan
 from minivllm.worker.prepare import StepArrays, unpack
 
 STOP, STEP = 0, 1
-HEADER = 8
+HEADER = 9
 
 
 def body_size(header: np.ndarray | torch.Tensor) -> int:
     """int64s in the body a header announces: the packed arrays, the samplers, the prompt rows."""
-    kind, T, S, W, R, _, _, P = (int(x) for x in header)
+    kind, T, S, W, R, _, _, _, P = (int(x) for x in header)
     return 0 if kind == STOP else 3 * T + (S + 1) + S + S * W + R + R + 3 * P
 
 
@@ -42,7 +42,8 @@ def encode(plan: StepPlan | None) -> tuple[np.ndarray, np.ndarray]:
     a = plan.arrays
     rows = np.array([(i, start, end) for i, (start, end) in plan.prompt_rows.items()], dtype=np.int64).reshape(-1)
     header = np.array([STEP, a.num_tokens, a.block_tables.shape[0], a.block_tables.shape[1], len(a.sample_rows),
-                       plan.num_seqs, -1 if plan.graph_size is None else plan.graph_size, len(plan.prompt_rows)],
+                       plan.num_seqs, -1 if plan.graph_size is None else plan.graph_size,
+                       -1 if plan.piece_size is None else plan.piece_size, len(plan.prompt_rows)],
                       dtype=np.int64)
     body = np.concatenate([a.pack(), np.asarray(a.samplers, dtype=np.int64), rows])
     return header, body
@@ -50,7 +51,7 @@ def encode(plan: StepPlan | None) -> tuple[np.ndarray, np.ndarray]:
 
 def decode(header: np.ndarray, body: np.ndarray) -> StepPlan | None:
     """The StepPlan a (header, body) carries; None for STOP."""
-    kind, T, S, W, R, num_seqs, graph_size, P = (int(x) for x in header)
+    kind, T, S, W, R, num_seqs, graph_size, piece_size, P = (int(x) for x in header)
     if kind == STOP:
         return None
     packed = len(body) - R - 3 * P
@@ -58,7 +59,8 @@ def decode(header: np.ndarray, body: np.ndarray) -> StepPlan | None:
     samplers = body[packed:packed + R].tolist()
     rows = body[packed + R:].reshape(P, 3).tolist()
     arrays = StepArrays(**fields, samplers=samplers)
-    return StepPlan(arrays, num_seqs, None if graph_size < 0 else graph_size, {i: (s, e) for i, s, e in rows})
+    return StepPlan(arrays, num_seqs, None if graph_size < 0 else graph_size, None if piece_size < 0 else piece_size,
+                    {i: (s, e) for i, s, e in rows})
 
 
 class StepChannel:

@@ -22,9 +22,10 @@ the same memory addresses. So:
    columns of their rows on the device.
 4. Nothing inside may ask the GPU a question (no `.item()`, no shape read off a tensor).
 
-Only decode-like steps (one new token per sequence) are captured: they are almost every step
-of serving, and the only ones whose shape is just "how many sequences". Prefill and mixed
-steps have any number of tokens; they run eagerly, as in chapter 7.
+Only decode-like steps (one new token per sequence) are captured here: they are almost every
+step of serving, and the only ones whose shape is just "how many sequences". Prefill and mixed
+steps have any number of tokens per sequence; piecewise_graphs.py replays them from graphs cut
+at attention (or they run eagerly, as in chapter 7).
 
 Chapter 12 adds a second shape. With speculation a step is mostly *verify* chunks: each
 sequence brings its last token and up to k guesses, and run eagerly such a step pays every
@@ -174,6 +175,7 @@ class GraphRunner:
         self.tables[:, 0] = self.pad_block
         self.loaded_query_len = 1  # the query length of the step in the static buffers (load)
         memory_pool = torch.cuda.graph_pool_handle() if graph_class is CudaGraph else None
+        self.memory_pool = memory_pool  # shared with the pieces of prompt-carrying steps (piecewise_graphs.py)
         # The decode graphs keyed by their batch size, as in chapter 9; those of longer queries by
         # (batch size, query length).
         self.graphs: dict[int | tuple[int, int], Any] = {}

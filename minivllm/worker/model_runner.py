@@ -8,8 +8,10 @@ the sequences whose computation reached their last token this step: a prefill ch
 stops mid-prompt has nothing to predict yet.
 
 Chapter 9 changes how, not what: the inputs are built with NumPy and reach the device in one
-non-blocking copy (prepare.py), decode steps can replay CUDA graphs (cuda_graphs.py), and the
-token-wise work can run as fused Triton kernels (fused/). Each sits behind a switch.
+non-blocking copy (prepare.py), decode steps can replay CUDA graphs (cuda_graphs.py), steps that
+carry prompt tokens can replay graphs cut at attention (piecewise_graphs.py), and the token-wise
+work can run as fused Triton kernels (fused/). Each sits behind a switch; `graphs_for` is the one
+rule that says which graphs a step replays.
 
 Chapter 14 splits a step in two: `run` plans it on the host (a `StepPlan`: the step's arrays,
 nothing but numbers) and `execute` runs a plan on the device. Under tensor parallelism only
@@ -30,6 +32,7 @@ from minivllm.model import Decoder
 from minivllm.request.sequence import SchedulerOutput
 from minivllm.worker.cuda_graphs import GraphRunner, bucket_for
 from minivllm.worker.input_batch import InputBatch
+from minivllm.worker.piecewise_graphs import PiecewiseRunner
 from minivllm.worker.prepare import (
     StepArrays,
     build_step_arrays,
@@ -47,6 +50,7 @@ class StepPlan:
     arrays: StepArrays  # the step's inputs; for a replay, padded to graph_size sequences of equal rows
     num_seqs: int  # the step's real sequences (rows 0 .. num_seqs-1)
     graph_size: int | None = None  # the batch-size bucket whose CUDA graph replays the step; None: eager
+    piece_size: int | None = None  # the token-count bucket whose pieces replay the step (piecewise_graphs.py)
     prompt_rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # sequence -> its rows, for prompt logprobs
 
 
@@ -85,6 +89,22 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs = GraphRunner(self.forward, self.pool, self.attention_class, config.max_num_seqs,
                                           config.max_model_len, graph_class, query_lens)
+        self.pieces = None
+        if config.piecewise_graphs:
+            with torch.inference_mode():  # CUDA graphs on CUDA, the stand-in elsewhere (as for the decode graphs)
+                self.pieces = PiecewiseRunner(self.forward, model.device, config.max_num_batched_tokens,
+                                              self.pool.k.device.type == "cuda",
+                                              self.graphs.memory_pool if self.graphs is not None else None)
+
+    def graphs_for(self, num_new_tokens: list[int]) -> tuple[bool, int | None]:
+        """The one rule for which graphs replay a step: the decode graphs if it fits one (one token
+        per sequence, or chapter 12's verify chunks); else the pieces of the smallest token-count
+        bucket that holds it; else none (eager). Returns (decode graph?, piece bucket or None)."""
+        if self.graphs is not None and self.graphs.can_run(num_new_tokens):
+            return True, None
+        if self.pieces is not None:
+            return False, self.pieces.bucket_for(sum(num_new_tokens))
+        return False, None
 
     @torch.inference_mode()
     def run(self, schedule: SchedulerOutput, previous: SampledTokens | None = None
@@ -96,7 +116,7 @@ class ModelRunner:
         tokens, keyed by its index. previous (chapter 16, async scheduling): the last step's
         tokens, still on the device, which this step's placeholders stand for."""
         seqs, num_new = schedule.seqs, schedule.num_new_tokens
-        replay = self.graphs is not None and self.graphs.can_run(num_new)
+        replay, piece_size = self.graphs_for(num_new)
         with record_function("prepare"):
             if replay and self.batch is None:  # padded to a captured batch size (and query length), in the graphs' static buffers
                 graph_size, arrays, flat = self.graphs.prepare_step(seqs, num_new)
@@ -116,7 +136,7 @@ class ModelRunner:
             prompt_rows = {i: (int(arrays.query_start[i]), int(arrays.query_start[i]) + num_new[i])
                            for i, seq in enumerate(seqs)
                            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens}
-        return self.execute(StepPlan(arrays, len(seqs), graph_size, prompt_rows), flat)
+        return self.execute(StepPlan(arrays, len(seqs), graph_size, piece_size, prompt_rows), flat)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, flat: torch.Tensor | None = None
@@ -139,6 +159,8 @@ class ModelRunner:
         with record_function("forward"):
             if replay:
                 hidden = self.graphs.replay(plan.graph_size, plan.num_seqs)  # the real sequences' rows
+            elif plan.piece_size is not None:
+                hidden = self.pieces.replay(plan.piece_size, step.input_ids, step.positions, attention)
             else:
                 hidden = self.forward(step.input_ids, step.positions, attention)
             # Logits only for the rows that predict a token (the lm_head is the largest matmul).
