@@ -27,6 +27,7 @@ writes figures/09_step_timeline.png and benchmarks/results/09_step_profile_<devi
 """
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -49,12 +50,15 @@ from minivllm.request.sampling_params import SamplingParams
 from minivllm.request.sequence import Sequence
 
 # The engine settings chapter 9 compares (keyword arguments of LLM / LLMEngine), each synchronous as
-# chapter 9 built it, and chapter 16's overlap on top of the fastest. On a CPU only "eager" exists:
+# chapter 9 built it, and chapter 16's overlap on top of the fastest, with and without the pieces that
+# replay prompt-carrying steps ("graphs" means both kinds of graph: piecewise_graphs follows cuda_graphs). On a CPU only "eager" exists:
 # there are no CUDA graphs, the fused ops are GPU kernels, and the overlap needs a device to overlap with.
 VARIANTS: dict[str, dict[str, bool]] = {
     "eager": dict(cuda_graphs=False, fused_ops=False, async_scheduling=False),
     "graphs": dict(cuda_graphs=True, fused_ops=False, async_scheduling=False),
     "graphs+fused": dict(cuda_graphs=True, fused_ops=True, async_scheduling=False),
+    # Decode graphs alone: steps that carry prompt tokens run eagerly (as before piecewise_graphs.py).
+    "decode-graphs+fused+async": dict(cuda_graphs=True, piecewise_graphs=False, fused_ops=True, async_scheduling=True),
     "graphs+fused+async": dict(cuda_graphs=True, fused_ops=True, async_scheduling=True),
 }
 STEP_RANGE = "profiled step"  # the range profile_steps wraps around each engine.step()
@@ -146,7 +150,7 @@ class StepProfile:
     batch_size: int
     context: int  # mean context (cached tokens) of the requests at the first profiled step
     steps: list[ProfiledStep]
-    plain_step_ms: list[float] = field(default_factory=list)  # the same steps timed without the profiler
+    plain_step_ms: list[float] = field(default_factory=list)  # steady steps without the profiler (_time_steps)
 
     @property
     def count_label(self) -> str:
@@ -318,15 +322,32 @@ def _named_layers(model: Decoder) -> Iterator[None]:
 
 
 def _time_steps(engine: LLMEngine, steps: int) -> list[float]:
-    """Wall time of `steps` engine steps without the profiler, which adds a little to every
-    operator call it records (ms, device synchronised)."""
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+    """How long each of `steps` engine steps takes in steady state, without the profiler (which
+    adds a little to every operator call it records), in ms.
+
+    The host never waits inside the loop: a step that waited for the GPU after returning
+    (`step(); synchronize()`) would drain the queue every time, so step N + 1 could never be
+    queued while step N runs, and chapter 16's overlap would be timed away. On a GPU an event is
+    recorded on the stream after each step (recording does not wait); the one synchronize at the
+    end reads them, and step i's time is the device clock from the end of step i - 1's work to
+    the end of step i's: what the GPU really spends per step, idle gaps included. On a CPU the
+    work is done when step() returns, so each step's host time is its time."""
+    device = engine.model.device
+    if device.type != "cuda":
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(round(1e3 * (time.perf_counter() - start), 4))
+        return times
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    synchronize(device)
+    marks[0].record()
+    for mark in marks[1:]:
         engine.step()
-        synchronize(engine.model.device)
-        times.append(round(1e3 * (time.perf_counter() - start), 4))
-    return times
+        mark.record()
+    synchronize(device)  # the one wait: after the last step
+    return [round(before.elapsed_time(after), 4) for before, after in itertools.pairwise(marks)]
 
 
 def _record(engine: LLMEngine, steps: int, label_layers: bool) -> tuple[profile, list[int], int]:
