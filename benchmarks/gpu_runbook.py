@@ -38,8 +38,8 @@ command. So the parts run in one call, in priority order, each under min(its lim
  7        step_profile    chapter 9: one decode step at batch 256, contexts       28 s      60 s
                           ~600: eager, graphs, graphs + fused, + async
  8        kernel          chapter 8: decode kernel vs SDPA and copy bandwidth     20 s      40 s
- 9        tour            minivllm tour on 64 ladder_gpu requests, each stage   (goal      170 s
-                          under a budget of its own                              <300 s)
+ 9        tour            minivllm tour on tour_gpu (16 requests, fp32): every   (goal      170 s
+                          stage on every request, = transformers checked         <300 s)
  10       prefix_caching  chapter 11: 256 requests sharing a 200-token prompt;  ~90 s     120 s
                           the shared-share sweep on 64 requests, median of 3
 
@@ -366,19 +366,19 @@ def speculation_summary(run: Run) -> dict[str, Any]:
 
 
 def tour(run: Run) -> None:
-    """`minivllm tour` with a time limit (run_tour's time_limit: each stage an equal share of what
-    is left, launch-bound stages sampled group by group within it)."""
+    """`minivllm tour` with its GPU defaults (tour_gpu in fp32: every stage on every request, each
+    checked against transformers on 4) under the part's time limit."""
     from minivllm.course.bench.tour import run_tour
 
     source = run.model[1] if run.model else None
-    size = (dict(num_requests=64, check=2) if run.gpu else
+    size = (dict(check=4) if run.gpu else
             dict(workload="tiny", num_requests=3, check=1, stages=["naive", "paged", "continuous", "cuda_graphs"],
                  peers=False))
     run_tour(source, device=run.device, time_limit=max(run.left() - 15, 1), **size)
 
 
 def tour_summary(run: Run) -> dict[str, Any]:
-    payload = results(run, f"tour_{run.device}_{'ladder_gpu' if run.gpu else 'tiny'}")
+    payload = results(run, f"tour_{run.device}_{'tour_gpu' if run.gpu else 'tiny'}")
     return {row["name"]: f"{row['tokens_per_second']:,.0f} tok/s, {row['speedup']:.1f}x, {row['agrees']}"
             for row in payload["rows"]} | {"seconds": round(payload["tour_seconds"])} | completeness(payload)
 

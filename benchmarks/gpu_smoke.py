@@ -3,9 +3,10 @@
     python benchmarks/gpu_smoke.py [--device cuda] [--model minivllm/configs/qwen3-0.6b.json] [--requests 8]
                                    [--max-tokens 48]
 
-The default engine on a GPU replays decode steps from CUDA graphs, runs the token-wise work as
-fused Triton kernels and attends with Triton; `cuda_graphs=False, fused_ops=False` is chapter
-8's eager engine with the same attention. Both run the same greedy requests (random prompts of
+The default engine on a GPU replays decode steps from CUDA graphs and steps that carry prompt
+tokens from graphs cut at attention (piecewise_graphs.py), runs the token-wise work as fused
+Triton kernels and attends with Triton; `cuda_graphs=False, fused_ops=False` is chapter 8's
+eager engine with the same attention. Both run the same greedy requests (random prompts of
 16 to 400 tokens, or as many as the model's context leaves, EOS ignored):
 
 - in float32 they must give identical tokens: graphs and fused kernels change how the work is
@@ -34,7 +35,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
 from minivllm.machine import environment, synchronize
 
-ENGINES = {"default (graphs + fused + Triton on a GPU)": {}, "eager (cuda_graphs=False, fused_ops=False)":
+ENGINES = {"default (graphs + pieces + fused + Triton on a GPU)": {}, "eager (cuda_graphs=False, fused_ops=False)":
            dict(cuda_graphs=False, fused_ops=False)}
 
 
@@ -57,7 +58,8 @@ def run_engines(model: Any, prompts: list[list[int]], max_tokens: int, num_kv_bl
         built = time.perf_counter() - start
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         results[name] = dict(build_seconds=built, settings={k: getattr(llm.engine.config, k) for k in
-                                                            ("attention", "cuda_graphs", "fused_ops")}, tokens=tokens)
+                                                            ("attention", "cuda_graphs", "piecewise_graphs",
+                                                                               "fused_ops", "async_scheduling")}, tokens=tokens)
         del llm
         gc.collect()
         if model.device.type == "cuda":

@@ -91,19 +91,22 @@ def test_engines_are_built_before_the_clock_starts(tiny_checkpoint, tmp_path, mo
     assert built and not any(built), f"{sum(built)} of {len(built)} engines were built while a stage was timed"
 
 
-def test_on_a_gpu_the_launch_bound_stages_always_run_a_sample():
-    """The GPU tour's own workload (ladder_gpu: about 18k output tokens) is below the size at
-    which a CPU samples; on a GPU naive decoding at ~26 tok/s would need over ten minutes for it."""
+def test_the_gpu_tour_runs_every_stage_on_every_request_and_a_large_workload_samples():
+    """The GPU tour's own workload (tour_gpu) is small enough for naive decoding at ~30 tok/s, so
+    no stage is extrapolated; on a large one (nano) the launch-bound stages run a sample on a GPU
+    and, past the CPU's larger threshold, on a CPU too."""
     import minivllm.course.bench.tour as tour
     from minivllm.course.bench.workloads import make_workload
 
     work = make_workload(tour.GPU_DEFAULT_WORKLOAD, 151936)
-    assert work.num_output_tokens < tour.LARGE_WORKLOAD_TOKENS
+    assert work.num_output_tokens <= tour.GPU_LARGE_WORKLOAD_TOKENS
+    assert all(tour.sample_size(name, work, on_gpu=True) is None for name in tour.STAGES)
+    nano = make_workload("nano", 151936)
     for name, size in tour.GPU_SAMPLED_STAGES.items():
-        assert tour.sample_size(name, work, on_gpu=True) == size
-        assert tour.sample_size(name, work, on_gpu=False) is None
-    assert tour.sample_size("continuous", work, on_gpu=True) is None
-    assert tour.sample_size("naive", work.subset(2), on_gpu=True) is None  # all of it already
+        assert tour.sample_size(name, nano, on_gpu=True) == size
+        assert tour.sample_size(name, nano, on_gpu=False) == tour.SAMPLED_STAGES[name]
+    assert tour.sample_size("continuous", nano, on_gpu=True) is None
+    assert tour.sample_size("naive", nano.subset(2), on_gpu=True) is None  # all of it already
 
 
 def test_a_time_limit_cuts_samples_and_every_row_is_saved_as_it_ends(tiny_checkpoint, tmp_path, monkeypatch, capsys):

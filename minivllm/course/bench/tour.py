@@ -39,16 +39,17 @@ from minivllm.stages.common import StageStats
 
 # On a large workload (nano: ~140k output tokens) the stages that serve one request, or one
 # fixed-size group, after another would take hours; their rate does not depend on how many
-# groups follow, so they run on a sample of requests and the rate is extrapolated. The paged,
-# continuous and Triton stages share memory across the whole workload and always run on all of it.
+# groups follow, so they run on a sample of requests and the rate is extrapolated (the row says
+# so). The paged, continuous and Triton stages share memory across the whole workload and always
+# run on all of it.
 SAMPLED_STAGES = {"naive": 4, "kv_cache": 8, "static_batch": 32, "ragged_batch": 32, "chunked_prefill": 32}
 LARGE_WORKLOAD_TOKENS = 20_000
-# On a GPU the early stages are launch-bound (tens of ms per token for a 0.6B model: Python
-# launches every kernel of every layer) whatever the workload's size, so there they always run
-# a sample, and a smaller one: the tour must finish in minutes. Their rates are per-request
-# properties and extrapolate as well. (Chunked prefill attends segment by segment, one launch per
-# sequence per layer: on an H100 it did not finish 32 nano requests in 250 s; 8 is one batch.)
+# On a GPU the early stages are launch-bound (~30 ms per token for a 0.6B model on an H200: Python
+# launches every kernel of every layer) whatever the workload's size, so a GPU samples from a much
+# smaller size on, and smaller samples. The GPU tour's own workload (tour_gpu, ~900 output tokens)
+# is below it: every stage serves every request, nothing is extrapolated.
 GPU_SAMPLED_STAGES = {"naive": 2, "kv_cache": 4, "static_batch": 16, "ragged_batch": 16, "chunked_prefill": 8}
+GPU_LARGE_WORKLOAD_TOKENS = 2_000
 # The groups those stages serve one after another (the batch stages' default batch size): a sample
 # grows a group at a time while the stage's time budget lasts.
 SAMPLE_GROUP = {"naive": 1, "kv_cache": 1, "static_batch": 8, "ragged_batch": 8, "chunked_prefill": 8}
@@ -59,9 +60,12 @@ MIN_STAGE_SECONDS = 2.0
 GPU_TIME_LIMIT = 300.0
 # What `minivllm tour --device cuda` runs when not told otherwise: a real model shape (random
 # weights) and a workload sized so that every stage's lesson shows and the whole ladder,
-# transformers included, fits in about five minutes on one H100.
+# transformers included, fits in about five minutes on one H100. In fp32: with random weights many
+# greedy choices are near-ties, which bf16 rounding decides differently in different kernels, so a
+# bf16 tour's "= HF" column would report kernels, not mistakes; in fp32 a ✓ means equal.
 GPU_DEFAULT_MODEL = "qwen3-0.6b.json"
-GPU_DEFAULT_WORKLOAD = "ladder_gpu"
+GPU_DEFAULT_WORKLOAD = "tour_gpu"
+GPU_DEFAULT_DTYPE = torch.float32
 # On a CPU, Triton kernels run only in Triton's interpreter (an emulator, thousands of times
 # slower than compiled code): the tour runs them on a couple of requests to check the tokens.
 INTERPRETER_SAMPLE = 2
@@ -122,9 +126,10 @@ def run_tour(
     and the workload to "ladder_gpu".
 
     time_limit: seconds for the whole tour (default: GPU_TIME_LIMIT on a GPU, none on a CPU). Each
-    stage then gets an equal share of what is left when it starts: a sampled stage runs one group of requests after another until its share is
-    spent (at least one group), transformers' continuous batching stops at it, and a stage that
-    starts with under MIN_STAGE_SECONDS left is skipped and named in the results."""
+    stage then gets an equal share of what is left when it starts: a sampled stage runs one group of
+    requests after another until its share is spent (at least one group), transformers' continuous
+    batching stops at it, and a stage that starts with under MIN_STAGE_SECONDS left is skipped and
+    named in the results. dtype: the model's (default: GPU_DEFAULT_DTYPE on a GPU)."""
     started = time.perf_counter()
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
                                    or not time_limit > 0):
@@ -134,6 +139,7 @@ def run_tour(
     if on_gpu and source is None:
         source = CONFIGS / GPU_DEFAULT_MODEL  # the embedded 4M model would measure only launch overhead
     workload = workload or (GPU_DEFAULT_WORKLOAD if on_gpu else "classroom")
+    dtype = dtype or (GPU_DEFAULT_DTYPE if on_gpu else None)
     model = load_model(source, device=device, dtype=dtype)
     stages = stages or list(STAGES)
     if "triton" in stages and model.device.type == "cpu":
@@ -247,12 +253,14 @@ def _run_sampled(name: str, generate: Any, model: Decoder, sample: Workload, tot
 
 def sample_size(name: str, work: Workload, on_gpu: bool) -> int | None:
     """How many of the workload's requests a stage runs when it runs a sample (None: all of them):
-    the one-group-at-a-time stages on a GPU always, on a CPU on large workloads only."""
+    the one-group-at-a-time stages, on a large workload only (GPU_LARGE_WORKLOAD_TOKENS output
+    tokens on a GPU, LARGE_WORKLOAD_TOKENS on a CPU)."""
     if name not in SAMPLED_STAGES:
         return None
-    if on_gpu:
-        return GPU_SAMPLED_STAGES[name] if GPU_SAMPLED_STAGES[name] < len(work.prompts) else None
-    return SAMPLED_STAGES[name] if work.num_output_tokens > LARGE_WORKLOAD_TOKENS else None
+    sizes, large = (GPU_SAMPLED_STAGES, GPU_LARGE_WORKLOAD_TOKENS) if on_gpu else (SAMPLED_STAGES, LARGE_WORKLOAD_TOKENS)
+    if work.num_output_tokens <= large or sizes[name] >= len(work.prompts):
+        return None
+    return sizes[name]
 
 
 def _warm_ups(work: Workload, compiles: bool) -> list[Workload]:

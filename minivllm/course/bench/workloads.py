@@ -63,6 +63,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     # The GPU ladder (`minivllm tour --device cuda`): nano's shape at half the lengths, so the
     # launch-bound early stages finish their samples in seconds.
     "ladder_gpu": dict(requests=128, prompt=(64, 512), output=("uniform", 32, 256)),
+    # The GPU tour's default: small enough that naive decoding (~30 tok/s on an H200: every token
+    # launches every kernel of every layer) serves all of it in seconds, so no stage is extrapolated.
+    "tour_gpu": dict(requests=16, prompt=(64, 256), output=("uniform", 16, 96)),
 }
 
 
