@@ -147,6 +147,6 @@ def test_two_copies_on_the_gpu_give_one_engines_tokens(hf_models, expected):
     llm = LLM(hf_models["qwen3"], device="cuda", dtype=torch.float32, data_parallel_size=2, num_kv_blocks=256)
     try:
         assert greedy(llm, PROMPTS, LENGTHS) == expected
-        assert min(llm.engine.client.sent) > 0
+        assert min(llm.engine.client.async_client.sent) > 0
     finally:
         llm.shutdown()
