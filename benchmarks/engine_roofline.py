@@ -47,7 +47,8 @@ from minivllm.course.bench.harness import (chapter_parser, console, format_token
 from minivllm.course.bench.workloads import WORKLOADS, Workload, make_workload, warmup_workloads
 from minivllm.machine import environment, synchronize
 from minivllm.model import Decoder
-from minivllm.course.bench.peers import continuous_batching_unavailable, hf_generate_batch, to_transformers
+from minivllm.course.bench.peers import (PEER_SETTINGS, continuous_batching, continuous_batching_unavailable, generate_on,
+                                         to_transformers)
 from minivllm.course.plots.ceiling import plot_roofline
 from minivllm.course.bench.profiling import VARIANTS, variants_for
 from minivllm.course.bench.roofline import decode_floor
@@ -87,13 +88,15 @@ def free_memory(device: torch.device) -> None:
 
 def run_transformers(model: Decoder, work: Workload, warm: Workload,
                      deadline: float | None) -> tuple[float, list[list[int] | None]]:
-    """transformers' continuous batching on a copy of the model with the same weights: one
-    warm-up, one timed run (its copy and KV cache are freed when this returns). Past `deadline`
-    (time.perf_counter()) it stops: the requests it had not finished are None."""
+    """transformers' continuous batching on a copy of the model with the same weights, run with
+    PEER_SETTINGS: its manager started and warmed up before the clock starts (as an engine is
+    built first), one timed run (its copy and KV cache are freed when this returns). Past
+    `deadline` (time.perf_counter()) it stops: the requests it had not finished are None."""
     hf_model = to_transformers(model)
-    hf_generate_batch(hf_model, warm.prompts, warm.output_lens)
-    return timed(lambda prompts, lens: hf_generate_batch(hf_model, prompts, lens, deadline=deadline), work,
-                 model.device, PEER, bar=True)
+    with continuous_batching(hf_model, work.prompts, work.output_lens, PEER_SETTINGS) as manager:
+        generate_on(manager, warm.prompts, warm.output_lens)
+        return timed(lambda prompts, lens: generate_on(manager, prompts, lens, deadline=deadline), work,
+                     model.device, PEER, bar=True)
 
 
 def finish_row(row: dict, got: list[list[int] | None], reference: list[list[int]] | None, lens: list[int]) -> dict:
@@ -159,7 +162,7 @@ def print_table(rows: list[dict], title: str) -> None:
     for row in rows:
         table.add_row(row["name"], f"{row['median_seconds']:.2f}", row["requests_finished"],
                       format_tokens_per_second(row["tokens_per_second"]),
-                      f"{row['share_of_roofline']:.1%}",
+                      "—" if row["share_of_roofline"] is None else f"{row['share_of_roofline']:.1%}",
                       "—" if row["speedup_over_transformers"] is None else f"{row['speedup_over_transformers']:.2f}×",
                       row["same_tokens_as_engine"] or "—")
     console.print(table)
@@ -245,10 +248,15 @@ def main() -> None:
     peer_deadline = started + args.time_limit - 15 if args.time_limit else None
     rows = payload["rows"]
     for row in measure(model, work, variants, args.repeats, peer_work, args.peer_variants or variants, peer_deadline):
-        row["share_of_roofline"] = (floor if row["workload"] == work.name else peer_floor).seconds / row["median_seconds"]
+        # A runner that did not finish its requests did not do the floor's work: no share, and no ratio against it.
+        finished = row["requests_finished"].split("/")
+        row["share_of_roofline"] = ((floor if row["workload"] == work.name else peer_floor).seconds
+                                    / row["median_seconds"] if finished[0] == finished[1] else None)
         rows.append(row)
         save_results(name, payload, complete=False)  # a run killed later keeps this row
-    peer = next((row["tokens_per_second"] for row in rows if row["name"].startswith(PEER)), None)
+    payload["peer_settings"] = PEER_SETTINGS.as_dict()
+    peer = next((row["tokens_per_second"] for row in rows
+                 if row["name"].startswith(PEER) and row["share_of_roofline"] is not None), None)
     for row in rows:
         row["speedup_over_transformers"] = (row["tokens_per_second"] / peer
                                             if peer and row["workload"] == peer_work.name else None)

@@ -177,3 +177,22 @@ def test_the_peer_stops_at_its_deadline_with_what_it_finished(qwen3_model):
     row = engine_roofline.finish_row(dict(seconds=[2.0]), [done[0], None], done, lens)
     assert row["requests_finished"] == "1/2" and row["useful_tokens"] == 3 and row["tokens_per_second"] == 1.5
     assert row["same_tokens_as_engine"] == "1/1"
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(attn_implementation="paged|eager"), dict(max_batch_tokens=None),
+                                      dict(use_cuda_graph=False)], ids=["default", "paged", "auto-batch", "no-graphs"])
+def test_every_peer_setting_gives_transformers_greedy_tokens(hf_models, reference, settings):
+    """Each setting benchmarks/peer_settings.py compares runs the same greedy requests (each its
+    own length, two runs on one manager) to transformers' own generate's tokens: the peer's speed
+    is compared on the same work whatever it is set to."""
+    from minivllm.course.bench.peers import PeerSettings, continuous_batching, generate_on, to_transformers
+    from minivllm.loader import load_model
+
+    if continuous_batching_unavailable():
+        pytest.skip("this transformers has no continuous batching")
+    hf = to_transformers(load_model(hf_models["qwen3"], device="cpu"))
+    prompts, lens = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12], [3, 5, 2]
+    with continuous_batching(hf, prompts, lens, PeerSettings(**settings)) as manager:
+        assert generate_on(manager, prompts[:1], [2]) == [reference(hf_models["qwen3"], prompts[0], 2)]
+        got = generate_on(manager, prompts, lens)
+    assert got == [reference(hf_models["qwen3"], p, n) for p, n in zip(prompts, lens)]

@@ -6,8 +6,13 @@ tokens (exactly output_lens[i] of them), so outputs can be checked against miniv
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,21 +78,53 @@ def continuous_batching_unavailable() -> str | None:
     return None
 
 
-@torch.no_grad()  # not inference_mode: the manager's thread updates tensors created here in place
-def hf_generate_batch(
-    hf_model: Any, prompts: list[list[int]], output_lens: list[int], max_batch_tokens: int = 2048,
-    deadline: float | None = None,
-) -> list[list[int] | None]:
-    """transformers' continuous batching (transformers >= 5.5). `generate_batch` takes one
-    max_new_tokens for all requests, so we drive the manager it wraps ourselves and give each
-    request its own length: the same work minivllm does, not the longest output for all.
+@dataclass(frozen=True)
+class PeerSettings:
+    """How transformers' continuous batching is run: every number it gives is saved beside these.
 
-    The cache is sized explicitly to hold every request at once: left to itself, transformers sizes
-    it from the device's free memory (on a CPU, the machine's whole memory: slow to allocate).
-    On a CPU, transformers up to 5.20 also needs psutil to see that memory at all.
+    transformers' guide (Continuous batching, v5.x) loads the model with a flash attention
+    implementation on a GPU ("flash_attention_2"; "sdpa_paged" in older pages) and otherwise lets
+    the manager choose: it switches sdpa or eager to flash where a flash package is installed, to
+    "paged|eager" for eager, and sizes its batch, CUDA graphs and compile settings itself. None
+    below means exactly that: transformers decides. benchmarks/peer_settings.py measures the
+    choices on a GPU; PEER_SETTINGS is what the benchmarks use."""
 
-    With a `deadline` (a time.perf_counter() value) it stops there: the requests not finished
-    by then come back as None (without one, every request comes back)."""
+    attn_implementation: str | None = None  # None: the model's own ("sdpa"), or flash if transformers finds it
+    max_batch_tokens: int | None = 2048  # tokens per step; None: transformers' default (8,192 in 5.24)
+    use_cuda_graph: bool | None = None  # None: transformers decides (on for CUDA where it can)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PEER_SETTINGS = PeerSettings()
+
+
+def _cb_config(settings: PeerSettings, num_blocks: int) -> Any:
+    """A ContinuousBatchingConfig of `num_blocks` blocks with the settings this transformers has
+    (a field it lacks is left out: None settings are its default anyway, others raise)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    fields = set(inspect.signature(ContinuousBatchingConfig).parameters)
+    wanted = dict(num_blocks=num_blocks, max_batch_tokens=settings.max_batch_tokens,
+                  use_cuda_graph=settings.use_cuda_graph)
+    missing = [name for name, value in wanted.items() if value is not None and name not in fields]
+    if missing:
+        raise PeerUnavailable(f"this transformers' ContinuousBatchingConfig has no {', '.join(missing)}")
+    return ContinuousBatchingConfig(**{name: value for name, value in wanted.items() if name in fields})
+
+
+@contextmanager
+def continuous_batching(hf_model: Any, prompts: list[list[int]], output_lens: list[int],
+                        settings: PeerSettings = PEER_SETTINGS) -> Iterator[Any]:
+    """transformers' continuous batching manager (transformers >= 5.5), started with `settings` and
+    a cache that holds every one of these requests at once, then stopped on exit. Starting and
+    stopping it are set-up (its stop alone ran gc.collect twice, 2.4 s on a CPU), as building an
+    engine is: a benchmark times `generate_on` inside, not this.
+
+    The cache is sized explicitly: left to itself, transformers sizes it from the device's free
+    memory (on a CPU, the machine's whole memory: slow to allocate). On a CPU, transformers up to
+    5.20 also needs psutil to see that memory at all."""
     if reason := continuous_batching_unavailable():
         raise PeerUnavailable(reason)
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -95,27 +132,48 @@ def hf_generate_batch(
     defaults = ContinuousBatchingConfig()
     page = getattr(defaults, "page_size", None) or defaults.block_size  # tokens per block: "block_size" until 5.17
     blocks = sum(-(-(len(p) + n) // page) for p, n in zip(prompts, output_lens))
-    cb_config = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=max_batch_tokens)
-    config = _greedy_config(max(output_lens))
-    results: dict[str, list[int]] = {}
+    cb_config = _cb_config(settings, blocks)
+    if settings.attn_implementation is not None:
+        hf_model.set_attn_implementation(settings.attn_implementation)
     # Its logger warns that EOS is unset on every call: expected here (no EOS on purpose).
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
-    with hf_model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
-                                                     block=True, timeout=5) as manager:
-        ids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, eos_token_id=-1)
-               for i, (p, n) in enumerate(zip(prompts, output_lens))]
-        while len(results) < len(ids):
-            if deadline is not None and time.perf_counter() > deadline:
-                break
-            result = manager.get_result(timeout=1)  # not streaming: a request comes back once, finished or failed
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
-                continue
-            if result.error:
-                raise RuntimeError(f"transformers' continuous batching failed {result.request_id}: {result.error}")
-            results[result.request_id] = list(result.generated_tokens)
+    with torch.no_grad(), hf_model.continuous_batching_context_manager(  # not inference_mode: the manager's
+            generation_config=_greedy_config(max(output_lens)),  # thread updates tensors made here in place
+            continuous_batching_config=cb_config, block=True, timeout=5) as manager:
+        yield manager
+
+
+def generate_on(manager: Any, prompts: list[list[int]], output_lens: list[int],
+                deadline: float | None = None) -> list[list[int] | None]:
+    """Each request's own number of greedy tokens from a running manager (continuous_batching).
+    `generate_batch` takes one max_new_tokens for all requests, so we drive the manager it wraps
+    ourselves: the same work minivllm does, not the longest output for all. With a `deadline` (a
+    time.perf_counter() value) it stops there: the requests not finished by then come back as
+    None (without one, every request comes back)."""
+    start = len(getattr(manager, "_minivllm_ids", ()))
+    ids = [manager.add_request(p, request_id=f"req_{start + i}", max_new_tokens=n, eos_token_id=-1)
+           for i, (p, n) in enumerate(zip(prompts, output_lens))]
+    manager._minivllm_ids = [*getattr(manager, "_minivllm_ids", ()), *ids]  # request ids stay unique per manager
+    results: dict[str, list[int]] = {}
+    while len(results) < len(ids):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        result = manager.get_result(timeout=1)  # not streaming: a request comes back once, finished or failed
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
+            continue
+        if result.error:
+            raise RuntimeError(f"transformers' continuous batching failed {result.request_id}: {result.error}")
+        results[result.request_id] = list(result.generated_tokens)
     return [results[i][:n] if i in results else None for i, n in zip(ids, output_lens)]
+
+
+def hf_generate_batch(hf_model: Any, prompts: list[list[int]], output_lens: list[int],
+                      settings: PeerSettings = PEER_SETTINGS, deadline: float | None = None) -> list[list[int] | None]:
+    """continuous_batching and generate_on in one call (a manager started and stopped for it)."""
+    with continuous_batching(hf_model, prompts, output_lens, settings) as manager:
+        return generate_on(manager, prompts, output_lens, deadline)
 
 
 def to_transformers(model: Decoder) -> Any:

@@ -26,7 +26,9 @@ def plot_roofline(rows: list[dict], floor: dict, subtitle: str = "") -> plt.Figu
     colors = ["#2b6cb0" if not row["name"].startswith("transformers") else "#38a169" for row in rows]
     draw_bars(ax, [row["name"] for row in rows], [row["tokens_per_second"] for row in rows], "useful output tokens / s",
               "throughput against the memory roofline",
-              [f"{row['tokens_per_second']:,.0f} tok/s\n{row['share_of_roofline']:.1%} of roofline" for row in rows],
+              [f"{row['tokens_per_second']:,.0f} tok/s\n" + (f"{row['share_of_roofline']:.1%} of roofline"
+               if row["share_of_roofline"] is not None else f"{row['requests_finished']} requests: no share")
+               for row in rows],
               colors=colors)
     ax.axhline(ceiling, color=CEILING_COLOR, linestyle="--", linewidth=1.2)
     ax.annotate(f"roofline: {ceiling:,.0f} tok/s (floor {floor['seconds']:.3g} s)", (0.01, ceiling),
