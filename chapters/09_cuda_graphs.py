@@ -11,7 +11,9 @@ On a GPU (python chapters/09_cuda_graphs.py --device cuda --model minivllm/confi
 - times the host side of building a step's inputs, chapter 7's Python lists against chapter 9's
   NumPy arrays and single copy, and counts the padding rows the graphs' batch-size buckets cost
   (figures/09_lean_step.png);
-- checks that every setting gives the eager engine's tokens.
+- checks that every setting gives the eager engine's tokens;
+- runs a workload through decode graphs and piecewise graphs (their stand-ins on a CPU) and draws
+  which graphs each step replayed (figures/09_piecewise.png).
 On a CPU there are no CUDA graphs and the fused kernels are GPU kernels: only the eager setting
 runs, and the profile shows a CPU step (no device lane). JSON: benchmarks/results/09_cuda_graphs_<device>.json.
 The roofline of a whole workload is benchmarks/engine_roofline.py's.
@@ -28,6 +30,7 @@ from rich.table import Table
 from minivllm import LLM, SamplingParams, load_tokenizer
 from minivllm.course import plots
 from minivllm.attention.paged import PagedBatch
+from minivllm.course.bench.graph_paths import graph_paths
 from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
 from minivllm.course.bench.profiling import VARIANTS, profile_variants, variants_for
 from minivllm.worker.cuda_graphs import bucket_for, graph_batch_sizes
@@ -35,6 +38,7 @@ from minivllm.worker.prepare import build_step_arrays, device_step, to_device
 from minivllm.request.sequence import Sequence
 from minivllm.machine import device_name, environment, synchronize
 from minivllm.course.plots.lines import plot_series
+from minivllm.course.plots.pieces import plot_piecewise
 from minivllm.course.plots.profile import plot_step_breakdown, plot_step_timeline
 from minivllm.course.text import DEMO_PROMPT, encode_or_random, show_sample
 
@@ -170,9 +174,18 @@ def main() -> None:
     console.print(prepare)
     console.print(f"saved {plots.save(fig, '09_lean_step')}")
 
+    with console.status("which graphs each step replays"):
+        paths = graph_paths(model, seed=args.seed)
+    counts = {path: sum(s["path"] == path for s in paths["steps"]) for path in ("decode graph", "pieces", "eager")}
+    console.print(f"{paths['workload']}: " + ", ".join(f"{n} steps {path}" for path, n in counts.items())
+                  + f"; same tokens as eager {'✓' if paths['same_tokens_as_eager'] else '✗'}")
+    subtitle = (f"{paths['workload']}; max_num_seqs {paths['max_num_seqs']}, max_num_batched_tokens "
+                f"{paths['max_num_batched_tokens']}; {device_name(model.device)}")
+    console.print(f"saved {plots.save(plot_piecewise(paths['steps'], paths['piece_sizes'], subtitle), '09_piecewise')}")
+
     path = save_results(f"09_cuda_graphs_{model.device.type}", dict(
         environment=environment(model), created=time.strftime("%Y-%m-%d %H:%M:%S"), same_tokens=agree,
-        profiles=profiles, lean_step=lean))
+        profiles=profiles, lean_step=lean, graph_paths=paths))
     console.print(f"saved {path}")
 
 

@@ -166,3 +166,25 @@ def test_captured_pieces_equal_the_eager_engine_in_fp32(hf_models, reference, fu
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == [reference(hf_models["qwen3"], p, n) for p, n in zip(PROMPTS, LENGTHS)]
     assert counter.counts and counter.padded > 0
+
+
+def test_the_chapter_records_which_graphs_each_step_replays(qwen3_model, tmp_path):
+    """graph_paths: a workload through decode graphs and pieces gives the eager engine's tokens,
+    and its steps take both paths by the rule; the figure draws them and refuses unknown paths."""
+    from minivllm.course import plots
+    from minivllm.course.bench.graph_paths import graph_paths
+    from minivllm.course.plots.pieces import plot_piecewise
+
+    paths = graph_paths(qwen3_model, workload="tiny", num_requests=6, max_num_seqs=4, max_num_batched_tokens=32)
+    assert paths["same_tokens_as_eager"]
+    taken = {s["path"] for s in paths["steps"]}
+    assert {"decode graph", "pieces"} <= taken, taken
+    for s in paths["steps"]:
+        assert (s["path"] == "pieces") == (s["bucket"] is not None)
+        if s["bucket"] is not None:
+            assert s["bucket"] == min(size for size in paths["piece_sizes"] if size >= s["tokens"])
+    assert plots.save(plot_piecewise(paths["steps"], paths["piece_sizes"]), "pieces", tmp_path).exists()
+    with pytest.raises(ValueError, match="unknown paths"):
+        plot_piecewise([dict(tokens=3, path="full")], [16])
+    with pytest.raises(ValueError):
+        plot_piecewise([], [16])
