@@ -166,7 +166,10 @@ def roofline(run: Run) -> list[str]:
 def roofline_summary(run: Run) -> dict[str, Any]:
     payload = results(run, f"09_roofline_{run.device}")
     return {row["name"]: {"s": round(row["median_seconds"], 2), "tok/s": round(row["tokens_per_second"]),
-                          "of roofline": round(row["share_of_roofline"], 3), "requests": row["requests_finished"],
+                          "of roofline": round(row["share_of_roofline"], 3),
+                          "of datasheet roofline": (None if row.get("share_of_datasheet_roofline") is None
+                                                    else round(row["share_of_datasheet_roofline"], 3)),
+                          "requests": row["requests_finished"],
                           "x transformers": row.get("speedup_over_transformers"),
                           "same tokens": row["same_tokens_as_engine"]}
             for row in payload["rows"]} | completeness(payload)
