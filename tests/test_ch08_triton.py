@@ -249,6 +249,24 @@ def test_uneven_contexts_match_torch_and_float64_on_the_path_the_rule_takes(kern
     torch.testing.assert_close(got.double(), reference(q, pool, batch), atol=1e-5, rtol=1e-5)
 
 
+def test_the_uneven_benchmark_times_the_same_attention_every_way(kernels):
+    """The kernel benchmark's uneven batch (course/bench/kernels.py), shrunk to 3 sequences: every
+    method it times (the kernel in one pass, split, as decode_plan splits it, and SDPA on padded
+    dense K/V with the padding masked) computes the float64 attention, so its bandwidths compare
+    the same work."""
+    from minivllm.course.bench import kernels as bench
+
+    contexts = bench.uneven_contexts(batch=3, bounds=(5, 45), seed=1)
+    assert all(5 <= c <= 45 for c in contexts) and len(set(contexts)) == 3
+    problem = bench.make_decode_problem(contexts, CPU, torch.float32)
+    expected = bench.reference_decode(problem)
+    methods = bench.uneven_methods(kernels, problem, [2])  # decode_plan: one pass here
+    partitions = sorted(P for P, _ in methods.values())
+    assert partitions == [0, 1, 2]  # SDPA, one pass, a split
+    for name, (_, fn) in methods.items():
+        torch.testing.assert_close(fn().double(), expected, atol=1e-5, rtol=1e-5, msg=name)
+
+
 # Contexts far shorter than the grid's max_context_len (as in a CUDA graph sized for the
 # engine's longest context), of mixed lengths, one of them a single token.
 MIXED = [1, 40, 7, 23, 16]
