@@ -273,7 +273,9 @@ def uneven_contexts(batch: int = UNEVEN_BATCH, bounds: tuple[int, int] = UNEVEN_
 def masked_sdpa(problem: dict[str, Any], longest: int) -> Callable[[], torch.Tensor]:
     """SDPA over each sequence's K/V gathered into a dense [S, Hkv, longest, D] tensor (not timed:
     the best case for it), the padding past each context masked: what dense attention must do
-    with uneven contexts, reading every sequence's K/V as if it were the longest."""
+    with uneven contexts, reading every sequence's K/V as if it were the longest. The query heads
+    that share a KV head are that head's query rows (as paged.paged_decode does), so each K/V byte
+    is read once, with no repeated heads and no reliance on enable_gqa's kernels."""
     from minivllm.attention.paged import gather_kv
 
     def dense(cache: torch.Tensor) -> torch.Tensor:
@@ -283,15 +285,9 @@ def masked_sdpa(problem: dict[str, Any], longest: int) -> Callable[[], torch.Ten
     dense_k, dense_v = dense(problem["k_cache"]), dense(problem["v_cache"])
     lens = problem["context_lens"]
     mask = (torch.arange(longest, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
-    q4 = problem["q"][:, :, None, :]  # [S, Hq, 1, D]
-    sdpa = F.scaled_dot_product_attention
-    try:
-        sdpa(q4, dense_k, dense_v, attn_mask=mask, enable_gqa=True)
-        return lambda: sdpa(q4, dense_k, dense_v, attn_mask=mask, enable_gqa=True)[:, :, 0]
-    except (TypeError, RuntimeError):  # no enable_gqa (torch < 2.5), or no kernel for it with a mask
-        group = HEADS // KV_HEADS
-        rk, rv = dense_k.repeat_interleave(group, 1), dense_v.repeat_interleave(group, 1)
-        return lambda: sdpa(q4, rk, rv, attn_mask=mask)[:, :, 0]
+    S = len(lens)
+    grouped = problem["q"].view(S, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)  # query head h -> KV head h // group
+    return lambda: F.scaled_dot_product_attention(grouped, dense_k, dense_v, attn_mask=mask).view(S, HEADS, HEAD_DIM)
 
 
 def uneven_methods(kernels: Any, problem: dict[str, Any], splits: list[int]) -> dict[str, tuple[int, Callable]]:
