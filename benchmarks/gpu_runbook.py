@@ -320,7 +320,10 @@ def kernel_summary(run: Run) -> dict[str, Any]:
     return {"copy bandwidth GB/s": round(payload["copy_bandwidth_gbs"]),
             "triton / SDPA by context": dict(zip(payload["contexts"], [None if r is None else round(r, 2)
                                                                      for r in goals["ratio_vs_sdpa"]])),
-            "of copy at 64 x 4,096": goals["of_copy_at_target"]}
+            "of copy at 64 x 4,096": goals["of_copy_at_target"],
+            "uneven batch, of copy / of datasheet": {r["name"]: [round(r["of_copy"], 3), r["of_datasheet"] and
+                                                                  round(r["of_datasheet"], 3)]
+                                                     for r in (payload.get("uneven") or {}).get("rows", [])}}
 
 
 def gpu_checks(run: Run) -> list[str]:
