@@ -11,6 +11,9 @@ On a GPU (the numbers chapter 9 reports; benchmarks/gpu_runbook.py runs it as it
 1. Measure the device's copy bandwidth (bytes read + written per second) and its read bandwidth
    (a sum over 1 GiB: bytes read); the floor is priced at the higher of the two, because on a
    GPU attention reads K/V a few percent faster than a copy moves it (course/bench/timing.py).
+   The GPU's datasheet bandwidth (course/bench/roofline.py's DATASHEET_BANDWIDTH) prices it a
+   second time: every share is stated at both, because published shares (nano-vllm, vLLM) are
+   at the datasheet figure.
 2. Compute the workload's floor: the weights read once per decode step, every request's KV
    read once per step it decodes, over that bandwidth (minivllm/course/bench/roofline.py).
 3. Run the engine (`LLM.generate`, greedy, EOS ignored, each request's own output length)
@@ -26,7 +29,8 @@ On a GPU (the numbers chapter 9 reports; benchmarks/gpu_runbook.py runs it as it
    the requests it finished.
 5. Save benchmarks/results/09_roofline_<device>.json after every row ("complete": false until the
    last), check every runner produced the first setting's tokens, print a table (tok/s, share of
-   the roofline of its own workload, speed against transformers), draw figures/09_roofline.png.
+   the roofline of its own workload at the measured and at the datasheet bandwidth, speed
+   against transformers), draw figures/09_roofline.png.
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ from minivllm.course.bench.peers import (PEER_SETTINGS, continuous_batching, con
                                          to_transformers)
 from minivllm.course.plots.ceiling import plot_roofline
 from minivllm.course.bench.profiling import VARIANTS, variants_for
-from minivllm.course.bench.roofline import decode_floor
+from minivllm.course.bench.roofline import datasheet_bandwidth, decode_floor, roofline_shares
 from minivllm.course.bench.timing import floor_bandwidth
 
 PEER = "transformers generate_batch"
@@ -157,12 +161,15 @@ def measure(model: Decoder, work: Workload, variants: list[str], repeats: int, p
 
 def print_table(rows: list[dict], title: str) -> None:
     table = Table(title=title)
-    for column in ("runner", "seconds", "requests", "tok/s", "of roofline", "× transformers", "same tokens"):
+    for column in ("runner", "seconds", "requests", "tok/s", "of roofline (measured)", "of roofline (datasheet)",
+                   "× transformers", "same tokens"):
         table.add_column(column, justify="left" if column == "runner" else "right")
     for row in rows:
+        at_datasheet = row["share_of_datasheet_roofline"]
         table.add_row(row["name"], f"{row['median_seconds']:.2f}", row["requests_finished"],
                       format_tokens_per_second(row["tokens_per_second"]),
                       "—" if row["share_of_roofline"] is None else f"{row['share_of_roofline']:.1%}",
+                      "—" if at_datasheet is None else f"{at_datasheet:.1%}",
                       "—" if row["speedup_over_transformers"] is None else f"{row['speedup_over_transformers']:.2f}×",
                       row["same_tokens_as_engine"] or "—")
     console.print(table)
@@ -211,6 +218,7 @@ def main() -> None:
     with console.status("measuring copy and read bandwidth"):
         rates = floor_bandwidth(model.device)
     bandwidth = rates["floor"]
+    datasheet = datasheet_bandwidth(env["device"])
     prompt_lens = [len(p) for p in work.prompts]
     floor = decode_floor(model.config, model.dtype, prompt_lens, work.output_lens, bandwidth)
     console.print(f"[bold]bandwidth[/] copy {rates['copy'] / 1e9:,.1f} GB/s (read + write), read "
@@ -218,6 +226,10 @@ def main() -> None:
                   f"{floor.weight_reads:,} weight reads × {floor.weight_bytes / 1e9:,.3f} GB + "
                   f"{floor.kv_bytes / 1e9:,.2f} GB of KV = {floor.seconds:.3f} s, "
                   f"{floor.tokens_per_second:,.0f} tok/s at most")
+    console.print("[bold]datasheet[/] " + (f"{datasheet / 1e9:,.0f} GB/s: floor {floor.total_bytes / datasheet:.3f} s, "
+                                            f"{floor.output_tokens * datasheet / floor.total_bytes:,.0f} tok/s at most"
+                                            if datasheet else f"none for {env['device']}: shares at the measured "
+                                                              "bandwidth only"))
 
     peer_work = work
     if args.peer_requests is not None and args.peer_requests < len(work.prompts):
@@ -232,12 +244,14 @@ def main() -> None:
         workload=dict(name=args.workload, seed=args.seed, description=work.describe(), prompt_lens=prompt_lens,
                       output_lens=work.output_lens),
         bandwidth=dict(bytes_per_second=bandwidth, copy_bytes_per_second=rates["copy"],
-                       read_bytes_per_second=rates["read"],
+                       read_bytes_per_second=rates["read"], datasheet_bytes_per_second=datasheet,
                        method="the higher of: median of 10 device-to-device copies (read + write bytes), median "
                               "of 10 sums over 1 GiB (256 MiB on a CPU; bytes read)",
                        cpu_threads=torch.get_num_threads() if on_cpu else None),
-        floor=floor.to_dict(), peer_workload=dict(name=peer_work.name, requests=len(peer_work.prompts),
-                                                   floor=peer_floor.to_dict()),
+        floor=floor.to_dict(),
+        floor_at_datasheet=None if datasheet is None else decode_floor(
+            model.config, model.dtype, prompt_lens, work.output_lens, datasheet).to_dict(),
+        peer_workload=dict(name=peer_work.name, requests=len(peer_work.prompts), floor=peer_floor.to_dict()),
         floor_note=(f"on a CPU the weights ({floor.weight_bytes / 1e6:,.0f} MB) may stay in the last-level cache "
                     "between steps, and the floor assumes they come from memory: a guide here, not a hard bound"
                     if on_cpu else ""),
@@ -248,10 +262,12 @@ def main() -> None:
     peer_deadline = started + args.time_limit - 15 if args.time_limit else None
     rows = payload["rows"]
     for row in measure(model, work, variants, args.repeats, peer_work, args.peer_variants or variants, peer_deadline):
-        # A runner that did not finish its requests did not do the floor's work: no share, and no ratio against it.
-        finished = row["requests_finished"].split("/")
-        row["share_of_roofline"] = ((floor if row["workload"] == work.name else peer_floor).seconds
-                                    / row["median_seconds"] if finished[0] == finished[1] else None)
+        # share_of_roofline at the measured bandwidth, share_of_datasheet_roofline at the datasheet's; none for a
+        # runner that did not finish its requests: it did not do the floor's work (and no ratio is taken against it)
+        row |= roofline_shares(floor if row["workload"] == work.name else peer_floor, row["median_seconds"], datasheet)
+        finished, asked = row["requests_finished"].split("/")
+        if finished != asked:
+            row |= dict(share_of_roofline=None, share_of_datasheet_roofline=None)
         rows.append(row)
         save_results(name, payload, complete=False)  # a run killed later keeps this row
     payload["peer_settings"] = PEER_SETTINGS.as_dict()

@@ -168,7 +168,10 @@ def roofline(run: Run) -> list[str]:
 def roofline_summary(run: Run) -> dict[str, Any]:
     payload = results(run, f"09_roofline_{run.device}")
     return {row["name"]: {"s": round(row["median_seconds"], 2), "tok/s": round(row["tokens_per_second"]),
-                          "of roofline": row["share_of_roofline"] and round(row["share_of_roofline"], 3), "requests": row["requests_finished"],
+                          "of roofline": row["share_of_roofline"] and round(row["share_of_roofline"], 3),
+                          "of datasheet roofline": (None if row.get("share_of_datasheet_roofline") is None
+                                                    else round(row["share_of_datasheet_roofline"], 3)),
+                          "requests": row["requests_finished"],
                           "x transformers": row.get("speedup_over_transformers"),
                           "same tokens": row["same_tokens_as_engine"]}
             for row in payload["rows"]} | completeness(payload)
@@ -319,7 +322,10 @@ def kernel_summary(run: Run) -> dict[str, Any]:
     return {"copy bandwidth GB/s": round(payload["copy_bandwidth_gbs"]),
             "triton / SDPA by context": dict(zip(payload["contexts"], [None if r is None else round(r, 2)
                                                                      for r in goals["ratio_vs_sdpa"]])),
-            "of copy at 64 x 4,096": goals["of_copy_at_target"]}
+            "of copy at 64 x 4,096": goals["of_copy_at_target"],
+            "uneven batch, of copy / of datasheet": {r["name"]: [round(r["of_copy"], 3), r["of_datasheet"] and
+                                                                  round(r["of_datasheet"], 3)]
+                                                     for r in (payload.get("uneven") or {}).get("rows", [])}}
 
 
 def gpu_checks(run: Run) -> list[str]:

@@ -1,7 +1,7 @@
 """Chapter 8 — paged attention in Triton: read the KV pool in place, at the speed of memory.
 
     python chapters/08_triton_kernel.py [--device cpu|cuda] [--e2e-requests N] [--skip-flex] [--skip-split-sweep]
-                                        [--model SRC]
+                                        [--model SRC] [--only-uneven]
 
 (--model is the engine benchmark's model; default: Qwen3-0.6B's shape with random weights.)
 
@@ -13,9 +13,14 @@
    path, padded scaled_dot_product_attention and FlexAttention, with the measured copy
    bandwidth as the ceiling (figures/08_decode_vs_context.png, 08_decode_vs_batch.png), and a
    table of the Triton kernel against SDPA and against copy bandwidth, checked against the
-   goals; a sweep of the kernel's split and tile sizes at short and long contexts; and
+   goals; an uneven batch like the nano workload's decode steps (256 sequences, contexts
+   uniform on 100..2,048) with the kernel unsplit, split 2, 4 and 8 ways and as decode_plan
+   splits it, against masked SDPA on padded dense K/V, each as a share of copy and of datasheet
+   bandwidth; a sweep of the kernel's split and tile sizes at short and long contexts; and
    end-to-end engine throughput with attention="torch" vs "triton"
    (figures/08_engine_throughput.png). Results: benchmarks/results/08_triton_kernel.json.
+   --only-uneven runs the uneven batch alone (under a minute on an H200):
+   benchmarks/results/08_decode_uneven.json.
 
    Each call is timed as the replay of a CUDA graph that holds it, as the engine's decode
    steps run (chapter 9): the GPU's time, without the host's cost of launching kernels, for
@@ -34,7 +39,7 @@ import torch
 
 from minivllm.course.bench.harness import chapter_parser, console, format_bytes
 from minivllm.course.bench.kernels import (BLOCK_SIZE, H100_SMS, HEAD_DIM, HEADS, KV_HEADS, TARGET, benchmark, decode_args,
-                                    make_decode_problem, one_layer_pool, reference_decode)
+                                    make_decode_problem, one_layer_pool, reference_decode, uneven_benchmark)
 
 # ------------------------------------------------------------------------------------------
 # 1. Narrate
@@ -141,8 +146,12 @@ def main() -> None:
     parser.add_argument("--skip-flex", action="store_true", help="leave FlexAttention out (its compiles take time)")
     parser.add_argument("--skip-split-sweep", action="store_true",
                         help="leave out the sweep of splits and tiles (hundreds of compiles: minutes on a GPU)")
+    parser.add_argument("--only-uneven", action="store_true",
+                        help="only the uneven batch (nano-like decode step) benchmark: CUDA only, under a minute")
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.only_uneven and device.type != "cuda":
+        parser.error("--only-uneven times kernels: it needs --device cuda")
     if device.type == "cpu":
         # Must happen before the kernels are defined: Triton decides at @triton.jit time.
         os.environ["TRITON_INTERPRET"] = "1"
@@ -153,6 +162,12 @@ def main() -> None:
     from minivllm.course.bench.harness import save_results
     from minivllm.machine import environment
 
+    if args.only_uneven:
+        results = uneven_benchmark(kernels, device, dtype)
+        path = save_results("08_decode_uneven", dict(environment=environment() | dict(device=results["gpu"]),
+                                                     dtype=str(dtype), **results))
+        console.print(f"saved {path}")
+        return
     narrate(kernels, dtype)
     errors = check(kernels, device, dtype)
     if device.type != "cuda":

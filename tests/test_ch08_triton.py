@@ -204,7 +204,12 @@ def test_decode_plan_fills_the_gpu_and_stays_bounded(kernels):
     shorter than MIN_PARTITION_TILES tiles nor more than MAX_PARTITIONS, whatever max_context_len."""
     plan, h100 = kernels.decode_plan, 132
     assert plan(64, 8, 256, 64, h100) == 1  # 4 tiles: one short partition, a single pass
-    assert plan(256, 8, 4096, 64, h100) == 1  # 2,048 pairs already fill 132 SMs
+    assert plan(1024, 8, 4096, 64, h100) == 1  # 8,192 pairs already fill 132 SMs
+    # The nano workload's batch: 2,048 pairs of contexts up to 2,048 tokens, uneven, split so
+    # that the longest ones do not finish alone; the same split under a CUDA graph's grid.
+    assert plan(256, 8, 2048, 64, h100) >= 2
+    assert plan(256, 8, 40960, 64, h100) == plan(256, 8, 2048, 64, h100)
+    assert 256 * 8 * plan(256, 8, 2048, 64, h100) >= kernels.PROGRAMS_PER_SM * h100 // 2
     p = plan(64, 8, 4096, 64, h100)
     assert 1 < p <= 4096 // (64 * kernels.MIN_PARTITION_TILES)
     assert 64 * 8 * p >= kernels.PROGRAMS_PER_SM * h100 // 2  # enough programs for every SM
@@ -220,6 +225,46 @@ def test_decode_plan_fills_the_gpu_and_stays_bounded(kernels):
             assert 16 <= block_n <= 128 and block_n & (block_n - 1) == 0 and warps in (4, 8) and stages >= 2
             block_d = 1 << (head_dim - 1).bit_length()  # the tile's padded width
             assert block_n * block_d * element_size <= 16384  # a K or V tile fits 16 KiB
+
+
+# Block sizes 1 and 13, GQA 1 and 8, and the padded layout: what an uneven batch could break.
+@pytest.mark.parametrize("block_size, head_dim, heads, kv_heads", [LAYOUTS[0], LAYOUTS[2], LAYOUTS[4]])
+@pytest.mark.parametrize("longest, path", [(100, "single"), (170, "split")])
+def test_uneven_contexts_match_torch_and_float64_on_the_path_the_rule_takes(kernels, block_size, head_dim, heads,
+                                                                            kv_heads, longest, path):
+    """A decode batch of uneven contexts (uniform from 1 to `longest`, few of them whole tiles,
+    partitions or blocks) with no split asked for: decode_plan picks one pass for contexts of
+    under MIN_PARTITION_TILES x 2 tiles and a split for longer ones, and both are exact."""
+    rng = random.Random(longest + block_size + heads)
+    contexts = [longest] + [rng.randint(1, longest) for _ in range(4)]
+    batch, num_blocks = make_batch([c - 1 for c in contexts], [1] * len(contexts), block_size, seed=longest)
+    pool = make_pool(num_blocks, block_size, kv_heads, head_dim, seed=6)
+    q = torch.randn(len(contexts), heads, head_dim, generator=torch.Generator().manual_seed(longest))
+    args = (q, pool.k[0], pool.v[0], batch.block_tables, batch.context_lens_tensor, longest)
+    P = kernels.decode_plan(len(contexts), kv_heads, longest, 16, kernels.sm_count(CPU))
+    assert (P == 1) == (path == "single")
+    assert path == "single" or any(-(-c // 16) % P for c in contexts)  # partitions of unequal length
+    got = kernels.paged_decode(*args, block_n=16)
+    torch.testing.assert_close(got, paged_decode(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), reference(q, pool, batch), atol=1e-5, rtol=1e-5)
+
+
+def test_the_uneven_benchmark_times_the_same_attention_every_way(kernels):
+    """The kernel benchmark's uneven batch (course/bench/kernels.py), shrunk to 3 sequences: every
+    method it times (the kernel in one pass, split, as decode_plan splits it, and SDPA on padded
+    dense K/V with the padding masked) computes the float64 attention, so its bandwidths compare
+    the same work."""
+    from minivllm.course.bench import kernels as bench
+
+    contexts = bench.uneven_contexts(batch=3, bounds=(5, 45), seed=1)
+    assert all(5 <= c <= 45 for c in contexts) and len(set(contexts)) == 3
+    problem = bench.make_decode_problem(contexts, CPU, torch.float32)
+    expected = bench.reference_decode(problem)
+    methods = bench.uneven_methods(kernels, problem, [2])  # decode_plan: one pass here
+    partitions = sorted(P for P, _ in methods.values())
+    assert partitions == [0, 1, 2]  # SDPA, one pass, a split
+    for name, (_, fn) in methods.items():
+        torch.testing.assert_close(fn().double(), expected, atol=1e-5, rtol=1e-5, msg=name)
 
 
 # Contexts far shorter than the grid's max_context_len (as in a CUDA graph sized for the

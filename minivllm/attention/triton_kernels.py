@@ -37,8 +37,17 @@ Memory traffic of a decode step, per layer: the cached K and V of every sequence
 (2 x context x Hkv x D elements per sequence; the Hq / Hkv query heads of a KV head share the
 read), plus q and the output, plus the fp32 partials written by pass 1 and read by pass 2
 (Hq x P x (D + 2) floats per sequence for P partitions; none when P = 1). At batch 64 x 4,096
-tokens with Qwen3-0.6B's heads in bf16 that is 1 GiB of K/V against 2 MiB of partials: the
-kernel can only be as fast as the GPU reads memory, and a good one gets close.
+tokens with Qwen3-0.6B's heads in bf16 that is 1 GiB of K/V against 4 MiB of partials (P = 8):
+the kernel can only be as fast as the GPU reads memory, and a good one gets close.
+
+Why split, and the price (decode_plan, the one rule). Without a split the grid has one program
+per (sequence, KV head): too few to fill a GPU at small batches or long contexts, and at large
+batches of *uneven* contexts (the nano workload: 256 sequences of 100 to 2,048 tokens) the
+programs of the longest contexts finish last while the other SMs idle. Split-K cuts each
+sequence's context into P partitions, one program each, so programs are many and short. The
+price: P partial softmaxes per query head in fp32, written and then read by the merge (on the
+nano batch at P = 2, 8.5 MB against 1.1 GB of K/V), and a second launch; so P = 1, one pass that
+writes the output itself, wherever the grid is already full.
 
 What Triton compiles. A kernel is compiled once per *variant*: its constexpr arguments, and
 what Triton assumes about the others unless told not to (an int equal to 1 or divisible by 16,
@@ -199,10 +208,20 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 # so each pair's context is split into P partitions, one program each, and a second kernel
 # merges the P partial softmaxes. Splitting has a price: P partial results in fp32 written
 # and read back, and a second launch. So:
-# - P comes from the grid: enough programs for PROGRAMS_PER_SM on every SM (measured on an
-#   H100 at batch 64 x 4,096: 2,048 to 4,096 programs reach 93-95 % of copy bandwidth, 1,024
-#   reach 81 %), never partitions shorter than MIN_PARTITION_TILES tiles (their partials and
-#   merge would cost more than the parallelism buys), and never more than MAX_PARTITIONS.
+# - P comes from the grid: enough programs for PROGRAMS_PER_SM on every SM, never partitions
+#   shorter than MIN_PARTITION_TILES tiles (their partials and merge would cost more than the
+#   parallelism buys), and never more than MAX_PARTITIONS.
+# - PROGRAMS_PER_SM is set for *uneven* contexts, such as the nano workload's 100 to 2,048
+#   tokens at batch 256. The GPU hands programs to SMs as SMs free up, and the launch ends when
+#   its last program does: with n programs per SM the idle tail is about one program's work out
+#   of n, and a program's work is its share of its own sequence's context. Even contexts give
+#   equal programs and no tail beyond the last wave; uneven ones leave SMs idle while the longest
+#   sequences finish. Measured on an H100 at batch 64 x 4,096 (even): 2,048 to 4,096 programs
+#   reach 93-95 % of copy bandwidth and 1,024 reach 81 %, so 32 per SM (4,224 on 132 SMs)
+#   should cost even batches nothing and halve the tail of uneven ones: batch 256 x 8 KV heads,
+#   2,048 pairs, splits in two, where 16 per SM kept it in one pass (the kernel benchmark's
+#   uneven batch measures both, and 4 and 8 partitions). The rule cannot look at the contexts
+#   themselves (next point), so it takes every batch to be uneven.
 # - P == 1 (big batches, short contexts) is a single pass: the kernel normalises its own
 #   result and writes the output; no partials, no merge launch.
 # - P depends on host integers only (batch, KV heads, max_context_len, the GPU's SM count),
@@ -216,7 +235,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 # partials (236 us measured on an H100, launches included, where SDPA on dense K/V took 37);
 # and under a CUDA graph sized for Qwen3-0.6B's 40,960 tokens every pair would have had 80
 # partitions, nearly all empty, each writing a partial for the merge to read back.
-PROGRAMS_PER_SM = 16
+PROGRAMS_PER_SM = 32
 MIN_PARTITION_TILES = 4
 MAX_PARTITIONS = 64
 INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; only the speed of a check depends on this

@@ -8,7 +8,10 @@ V) once. So no engine can finish a workload faster than
 
 and the share of that floor an engine reaches (floor / measured time) says how much of the
 machine it uses. The bandwidth is measured, not taken from a datasheet: a device-to-device
-copy, counting the bytes read and the bytes written.
+copy, counting the bytes read and the bytes written. Published shares (nano-vllm's ~65 % on an
+A100-40GB, vLLM's ~55 %) are priced at the *datasheet* bandwidth, which no copy reaches (an
+H200's copy moves 4.1 TB/s of its 4.8), so every share here is also stated at the datasheet
+figure (DATASHEET_BANDWIDTH, roofline_shares): compare like with like.
 
 The model of the work, for a batch where every request decodes side by side:
 - Weight reads: one per step, and there are as many steps as the longest output (the step
@@ -41,6 +44,29 @@ import torch
 
 from minivllm.model import ModelConfig
 
+# Datasheet memory bandwidth (bytes/s) of the GPUs this project has run on or compares with, by
+# the name torch.cuda.get_device_name gives: the vendor's peak, which a copy never reaches.
+# Sources: NVIDIA's H100 and H200 datasheets (H100 SXM 3.35 TB/s; H200 4.8 TB/s), the H100 PCIe
+# product brief PB-11133-001 (2,000 GB/s), the A100 datasheet (40GB 1,555 GB/s; 80GB SXM
+# 2,039 GB/s) and the GeForce RTX 4070 Laptop's specifications (16 Gbps GDDR6 on 128 bits: 256 GB/s).
+DATASHEET_BANDWIDTH: dict[str, float] = {
+    "NVIDIA H200": 4.8e12,
+    "NVIDIA H100 80GB HBM3": 3.35e12,  # the SXM5 part
+    "NVIDIA H100 PCIe": 2.0e12,
+    "NVIDIA A100-SXM4-40GB": 1.555e12,
+    "NVIDIA A100-PCIE-40GB": 1.555e12,
+    "NVIDIA A100-SXM4-80GB": 2.039e12,
+    "NVIDIA GeForce RTX 4070 Laptop GPU": 0.256e12,
+}
+
+
+def datasheet_bandwidth(device_name: str) -> float | None:
+    """The datasheet bandwidth (bytes/s) of the GPU called `device_name`, or None for a device
+    not in DATASHEET_BANDWIDTH (a CPU, a GPU this project has not priced)."""
+    if not isinstance(device_name, str):
+        raise ValueError(f"device_name must be a str, got {device_name!r}")
+    return DATASHEET_BANDWIDTH.get(device_name)
+
 
 @dataclass
 class Floor:
@@ -68,6 +94,19 @@ class Floor:
     def to_dict(self) -> dict:
         return asdict(self) | dict(total_bytes=self.total_bytes, seconds=self.seconds,
                                    tokens_per_second=self.tokens_per_second)
+
+
+def roofline_shares(floor: Floor, seconds: float, datasheet: float | None) -> dict[str, float | None]:
+    """The share of the roofline a run of `seconds` reaches, twice: at the bandwidth the floor
+    was priced at (measured), and at the datasheet bandwidth (None where there is none). The
+    second is the first times measured / datasheet: the same run on a stricter yardstick."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
+        raise ValueError(f"seconds must be a positive number, got {seconds!r}")
+    if datasheet is not None and (not isinstance(datasheet, (int, float)) or isinstance(datasheet, bool)
+                                  or not datasheet > 0):
+        raise ValueError(f"datasheet must be a positive number of bytes/s or None, got {datasheet!r}")
+    return dict(share_of_roofline=floor.seconds / seconds,
+                share_of_datasheet_roofline=None if datasheet is None else floor.total_bytes / datasheet / seconds)
 
 
 def element_size(dtype: torch.dtype) -> int:

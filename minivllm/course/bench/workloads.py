@@ -40,15 +40,20 @@ def warmup_workloads(work: Workload) -> list[Workload]:
 
     Triton compiles a kernel once per variant: once its per-step arguments are left
     unspecialised (chapter 9), a variant is a path through the step. An engine's steps take
-    three: prefill chunks (every step that holds one), decode steps of a full batch (one pass
-    per sequence: enough of them fill the GPU) and decode steps of a few long contexts (each
-    split into partitions, then merged). So:
-    1. every request's prompt with 2 output tokens: the timed run's prefill steps, then one
-       decode step of the whole batch;
-    2. its longest prompt alone, with 8 output tokens: decode steps of one long context.
+    three: prefill chunks (every step that holds one), decode in one pass per sequence (where
+    the batch fills the GPU, or contexts are short) and decode of contexts split into
+    partitions, then merged (decode_plan in attention/triton_kernels.py decides). So:
+    1. every request's prompt with 2 output tokens: the timed run's prefill steps, then decode
+       steps of the requests whose prefill ended last;
+    2. every request's first 8 prompt tokens, 2 output tokens: a decode step at contexts so
+       short that it runs in one pass whatever the batch (the timed run's full batches may run
+       in one pass, and step 1's last decode step may hold too few requests to);
+    3. its longest prompt alone, with 8 output tokens: decode steps of one long context.
     (CUDA graphs are captured when the engine is built; they need no warm-up.)"""
     longest = max(range(len(work.prompts)), key=lambda i: len(work.prompts[i]))
     return [Workload(f"{work.name}: every prompt, 2 tokens", work.prompts, [min(2, n) for n in work.output_lens]),
+            Workload(f"{work.name}: every prompt's first 8 tokens, 2 tokens", [p[:8] for p in work.prompts],
+                     [min(2, n) for n in work.output_lens]),
             Workload(f"{work.name}: the longest prompt alone", [work.prompts[longest]], [min(8, work.output_lens[longest])])]
 
 

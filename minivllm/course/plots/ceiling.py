@@ -12,8 +12,9 @@ WEIGHT_COLOR, KV_COLOR = "#2b6cb0", "#d69e2e"
 
 
 def plot_roofline(rows: list[dict], floor: dict, subtitle: str = "") -> plt.Figure:
-    """rows: one per runner, with name, tokens_per_second and share_of_roofline (the engine's
-    settings first, the peer last); floor: minivllm.roofline.Floor.to_dict().
+    """rows: one per runner, with name, tokens_per_second, share_of_roofline and (where the GPU
+    has a datasheet figure) share_of_datasheet_roofline (the engine's settings first, the peer
+    last); floor: minivllm.roofline.Floor.to_dict().
 
     Left: useful output tokens/s of each runner under the roofline ceiling (dashed), each bar
     labelled with its share of the roofline. Right: the floor's bytes, weight reads against KV
@@ -26,8 +27,10 @@ def plot_roofline(rows: list[dict], floor: dict, subtitle: str = "") -> plt.Figu
     colors = ["#2b6cb0" if not row["name"].startswith("transformers") else "#38a169" for row in rows]
     draw_bars(ax, [row["name"] for row in rows], [row["tokens_per_second"] for row in rows], "useful output tokens / s",
               "throughput against the memory roofline",
-              [f"{row['tokens_per_second']:,.0f} tok/s\n" + (f"{row['share_of_roofline']:.1%} of roofline"
-               if row["share_of_roofline"] is not None else f"{row['requests_finished']} requests: no share")
+              [f"{row['tokens_per_second']:,.0f} tok/s\n" + (
+                  f"{row['requests_finished']} requests: no share" if row["share_of_roofline"] is None else
+                  f"{row['share_of_roofline']:.1%} of roofline" + ("" if row.get("share_of_datasheet_roofline") is None
+                                                                  else f"\n{row['share_of_datasheet_roofline']:.1%} at datasheet"))
                for row in rows],
               colors=colors)
     ax.axhline(ceiling, color=CEILING_COLOR, linestyle="--", linewidth=1.2)
