@@ -15,7 +15,8 @@ On a GPU (python chapters/09_cuda_graphs.py --device cuda --model minivllm/confi
 - runs a workload through decode graphs and piecewise graphs (their stand-ins on a CPU) and draws
   which graphs each step replayed (figures/09_piecewise.png).
 On a CPU there are no CUDA graphs and the fused kernels are GPU kernels: only the eager setting
-runs, and the profile shows a CPU step (no device lane). JSON: benchmarks/results/09_cuda_graphs_<device>.json.
+runs, and the profile shows a CPU step (no device lane). JSON: benchmarks/results/09_cuda_graphs_<device>.json,
+written under --out (default runs/, so the committed files stay as they are; --out . refreshes them).
 The roofline of a whole workload is benchmarks/engine_roofline.py's.
 """
 from __future__ import annotations
@@ -28,19 +29,26 @@ import torch
 from rich.table import Table
 
 from minivllm import LLM, SamplingParams, load_tokenizer
-from minivllm.course import plots
 from minivllm.attention.paged import PagedBatch
+from minivllm.course import plots
 from minivllm.course.bench.graph_paths import graph_paths
-from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.harness import (
+    add_output_argument,
+    chapter_parser,
+    console,
+    enter_output_folder,
+    load_for_chapter,
+    save_results,
+)
 from minivllm.course.bench.profiling import VARIANTS, profile_variants, variants_for
-from minivllm.worker.cuda_graphs import bucket_for, graph_batch_sizes
-from minivllm.worker.prepare import build_step_arrays, device_step, to_device
-from minivllm.request.sequence import Sequence
-from minivllm.machine import device_name, environment, synchronize
 from minivllm.course.plots.lines import plot_series
 from minivllm.course.plots.pieces import plot_piecewise
 from minivllm.course.plots.profile import plot_step_breakdown, plot_step_timeline
 from minivllm.course.text import DEMO_PROMPT, encode_or_random, show_sample
+from minivllm.machine import device_name, environment, synchronize
+from minivllm.request.sequence import Sequence
+from minivllm.worker.cuda_graphs import bucket_for, graph_batch_sizes
+from minivllm.worker.prepare import build_step_arrays, device_step, to_device
 
 
 def same_tokens(model, tokenizer, variants: list[str]) -> dict[str, bool]:
@@ -140,7 +148,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="requests decoding side by side in the profile")
     parser.add_argument("--context", type=int, default=200, help="their contexts, in tokens")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps per setting")
+    add_output_argument(parser)
     args = parser.parse_args()
+    enter_output_folder(args)
     model = load_for_chapter(args)
     tokenizer = load_tokenizer(args.model)
     variants = variants_for(model.device)

@@ -9,43 +9,57 @@ HTTP, text and SSE meanwhile.
 
 This script: a sample through the split engine, then the measurement of minivllm/course/bench/
 split_serving.py (both servers as `minivllm serve` processes, the load generator as a
-`minivllm bench-serve` process, the engine offline on the same requests), which writes
-benchmarks/results/15_core_process_cpu.json and figures/15_latency_vs_users.png.
+`minivllm bench-serve` process, the engine offline on the same requests). It writes, under
+--out (default runs/, so the committed files the notebook reads stay as they are),
+benchmarks/results/15_core_process_cpu.json, figures/15_latency_vs_users.png and the picture
+of the split, figures/15_core_process.png.
 
-    python chapters/15_engine_core_process.py                 # 1, 8, 32, 128 users (~2-3 minutes)
+    python chapters/15_engine_core_process.py                 # 1, 8, 32, 128 users (about a minute)
     python chapters/15_engine_core_process.py --users 1,8     # a quick look
+    python chapters/15_engine_core_process.py --out .         # refresh the committed files
 """
 from __future__ import annotations
 
 import argparse
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 
 from minivllm import LLMEngine, SamplingParams
+from minivllm.course import plots
+from minivllm.course.bench.harness import add_output_argument, enter_output_folder
 from minivllm.course.bench.split_serving import USERS, measure
+from minivllm.course.plots.process import plot_core_process
 
 console = Console()
 
 
-def sample() -> None:
-    """One request through the three pieces, step by step: what the core sends, what the user reads."""
+def sample() -> int:
+    """One request through the three pieces, step by step: what the core sends, what the user
+    reads. Returns the bytes of a step's message for one request (msgspec's msgpack)."""
     engine = LLMEngine()
+    sizes = []
     engine.add_request(request_id="demo", prompt="def fibonacci(n):", params=SamplingParams(max_tokens=6, temperature=0))
     while engine.has_unfinished_requests():
         news = engine.core.step()
         outputs, _ = engine.output_processor.process_outputs(news)
+        sizes.append(len(msgspec.msgpack.encode(news)))
         for out, shown in zip(news, outputs):
             console.print(f"core sends {out.new_token_ids} (finish: {out.finish_reason})  ->  the user reads "
-                          f"{shown.outputs[0].text!r}")
+                          f"{shown.outputs[0].text!r}  ({sizes[-1]} bytes on the wire)")
+    return sizes[0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", default=",".join(map(str, USERS)), help="concurrent users per level")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of each engine")
+    add_output_argument(parser)
     args = parser.parse_args()
-    sample()
+    enter_output_folder(args)
+    step_bytes = sample()
+    console.print(f"saved {plots.save(plot_core_process(step_bytes), '15_core_process')}")
     summary = measure([int(u) for u in args.users.split(",")], threads=args.threads)
     offline = summary["offline"]
     table = Table(title=f"served output tok/s at each level; offline {offline['output_throughput']:,.0f} tok/s on the "

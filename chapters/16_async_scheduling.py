@@ -13,7 +13,8 @@
   also profiles real decode steps with and without async scheduling: step time against GPU
   busy time (the target: step <= 1.15x busy), course/bench/overlap.gpu_overlap, and the step timelines before
   and after (figures/16_step_timeline_cuda.png).
-JSON: benchmarks/results/16_async_scheduling_<device>.json. The persistent batch's host time is
+JSON: benchmarks/results/16_async_scheduling_<device>.json; it and the figures are written under --out
+(default runs/, so the committed files stay as they are; --out . refreshes them). The persistent batch's host time is
 benchmarks/host_step.py's (--baseline REV --results 16_host_step_cpu).
 """
 from __future__ import annotations
@@ -27,12 +28,19 @@ from rich.table import Table
 
 from minivllm import LLM, SamplingParams, load_tokenizer
 from minivllm.course import plots
-from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.harness import (
+    add_output_argument,
+    chapter_parser,
+    console,
+    enter_output_folder,
+    load_for_chapter,
+    save_results,
+)
 from minivllm.course.bench.overlap import gpu_overlap, overlap_table
-from minivllm.machine import device_name, environment
 from minivllm.course.plots.overlap import plot_overlap
 from minivllm.course.plots.profile import plot_step_timeline
 from minivllm.course.text import DEMO_PROMPT, encode_or_random, show_sample
+from minivllm.machine import device_name, environment
 
 
 def same_tokens(model, tokenizer) -> dict:
@@ -86,6 +94,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300, help="prompt tokens of each request, within 10%%")
     parser.add_argument("--steps", type=int, default=30, help="decode steps per measurement (the median counts)")
     parser.add_argument("--device-ms", default="1,2,4,6", help="stand-in device times per step, comma-separated")
+    add_output_argument(parser)
     args = parser.parse_args()
     try:
         args.device_ms = [float(x) for x in args.device_ms.split(",")]
@@ -99,6 +108,7 @@ def main() -> None:
     if args.context < 20:
         parser.error("--context must be at least 20")
     start = time.perf_counter()
+    enter_output_folder(args)
     model = load_for_chapter(args)
     tokenizer = load_tokenizer(args.model)
     facts = dict(sample=same_tokens(model, tokenizer))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,29 @@ def chapter_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     add_model_arguments(parser)
     return parser
+
+
+def add_output_argument(parser: argparse.ArgumentParser) -> None:
+    """--out: where a chapter script writes its JSON and figures. The default, runs/, keeps a
+    student's run from overwriting the committed files that the notebooks and the README quote;
+    `--out .` (the repository) refreshes them."""
+    parser.add_argument("--out", default="runs", help="write OUT/benchmarks/results/*.json and OUT/figures/*.png "
+                                                      "(default: runs/; '--out .' replaces the committed files)")
+
+
+def enter_output_folder(args: argparse.Namespace) -> Path:
+    """Make args.out the working folder, so that everything the script writes lands under it:
+    results and figures go to relative paths (RESULTS_DIR, plots.FIGURES_DIR), and so do those
+    of the processes it starts (a server, `minivllm bench-serve`). A --model naming a local path
+    is made absolute first. Returns the folder."""
+    model = getattr(args, "model", None)
+    if model is not None and Path(model).exists():
+        args.model = str(Path(model).resolve())
+    folder = Path(args.out).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chdir(folder)
+    console.print(f"writing results and figures under {folder}")
+    return folder
 
 
 def load_for_chapter(args: argparse.Namespace) -> Decoder:
