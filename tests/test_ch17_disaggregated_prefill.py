@@ -5,6 +5,7 @@ greedy tokens on two model families, with chunked prefill, prefix caching on eit
 prompts never produced, preemption on the consumer, and the loaded tokens never computed."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,29 @@ def test_kv_both_loads_what_exists_and_saves_what_it_computes(tmp_path, hf_model
     assert len(list(tmp_path.rglob("*.safetensors"))) == 3 + 5, "and the second's 5 full blocks saved"
     for prompt, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == reference(hf, prompt, 5)
+
+
+def test_a_consumer_with_async_scheduling_loads_the_same(tmp_path, hf_models, reference):
+    """Chapter 16's overlap plans step N+1 before step N's tokens are read: the loads of a request
+    admitted in N+1 still land before N+1's forward."""
+    hf = hf_models["qwen3"]
+    prompts = random_prompts([9, 22, 15, 30], seed=11)
+    settings = {"device": "cpu", "block_size": BLOCK, "max_num_batched_tokens": 12}
+    LLM(hf, kv_transfer_config=transfer("kv_producer", tmp_path), **settings).generate(
+        prompts[:3], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)
+    consumer = LLM(hf, async_scheduling=True, kv_transfer_config=transfer("kv_consumer", tmp_path), **settings)
+    outputs = consumer.generate(prompts, SamplingParams(max_tokens=7, **GREEDY), use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert out.outputs[0].token_ids == reference(hf, prompt, 7), f"prompt {i}: differs from transformers"
+    assert [o.num_cached_tokens for o in outputs] == [8, 20, 12, 0]
+
+
+def test_serve_takes_a_kv_transfer_config(tmp_path):
+    from minivllm.entrypoints.cli import build_parser, engine_options
+
+    config = transfer("kv_consumer", tmp_path)
+    options = engine_options(build_parser().parse_args(["serve", "--kv-transfer-config", json.dumps(config)]))
+    assert options["kv_transfer_config"] == config
+    assert EngineConfig(kv_transfer_config=options["kv_transfer_config"]).kv_transfer_config.is_consumer
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-transfer-config", "SharedStorageConnector"])

@@ -51,7 +51,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching,
                 speculative_config=args.speculative_config, disable_any_whitespace=args.disable_any_whitespace,
                 tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                async_scheduling=args.async_scheduling, persistent_batch=args.persistent_batch)
+                async_scheduling=args.async_scheduling, persistent_batch=args.persistent_batch,
+                kv_transfer_config=args.kv_transfer_config)
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -178,6 +179,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="share the KV blocks of common prefixes (default: on, as in vLLM)")
     serve.add_argument("--speculative-config", type=json_object, default=None,
                        help='speculative decoding (chapter 12), as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    serve.add_argument("--kv-transfer-config", type=json_object, default=None,
+                       help='disaggregated prefill (chapter 17), as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
+                            '"kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\'')
     serve.add_argument("--disable-any-whitespace", action=argparse.BooleanOptionalAction, default=None,
                        help="JSON constraints (response_format, structured_outputs) without free whitespace, unless "
                             "a request says otherwise (default: on; vLLM's default is off)")
