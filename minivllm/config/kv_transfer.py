@@ -19,6 +19,8 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # Each connector's extra settings: name -> (type, required). A connector not listed here does not exist.
 CONNECTORS: dict[str, dict[str, tuple[type, bool]]] = {
     "SharedStorageConnector": {"shared_storage_path": (str, True)},
+    # the producer's address (it binds, the consumer connects); the blocks it keeps in host memory
+    "ZmqConnector": {"kv_host": (str, True), "kv_port": (int, True), "kv_buffer_blocks": (int, False)},
 }
 KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
 
@@ -72,6 +74,11 @@ class KVTransferConfig:
                 if required:
                     raise ValueError(f"{where} is required by {connector}")
                 continue
-            if not isinstance(extra[name], kind) or (kind is str and not extra[name]):
-                raise ValueError(f"{where} must be a non-empty {kind.__name__}, got {extra[name]!r}")
+            value = extra[name]
+            if kind is str and (not isinstance(value, str) or not value):
+                raise ValueError(f"{where} must be a non-empty str, got {value!r}")
+            most = 65535 if name.endswith("port") else None
+            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 1
+                                or (most is not None and value > most)):
+                raise ValueError(f"{where} must be an integer >= 1{f' and <= {most}' if most else ''}, got {value!r}")
         return cls(connector, role, dict(extra))

@@ -1,5 +1,6 @@
 """Chapter 17: disaggregated prefill. A KV connector moves K/V between engine instances
-(base.py: the interface; shared_storage.py: blocks in files); `make_connector` builds one half
+(base.py: the interface; shared_storage.py: blocks in files; zmq_connector.py: blocks over ZMQ
+between processes); `make_connector` builds one half
 of the connector an EngineConfig's kv_transfer_config names."""
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from minivllm.kv_transfer.base import (
     KVLayout,
 )
 from minivllm.kv_transfer.shared_storage import SharedStorageConnector
+from minivllm.kv_transfer.zmq_connector import ZmqConnector
 from minivllm.model import Decoder
 
-CONNECTORS: dict[str, type[KVConnectorBase]] = {"SharedStorageConnector": SharedStorageConnector}
+CONNECTORS: dict[str, type[KVConnectorBase]] = {"SharedStorageConnector": SharedStorageConnector,
+                                                 "ZmqConnector": ZmqConnector}
 
 __all__ = ["CONNECTORS", "KVConnectorBase", "KVConnectorMetadata", "KVConnectorRole", "KVLayout", "make_connector"]
 
