@@ -266,3 +266,34 @@ def test_serve_takes_a_kv_transfer_config(tmp_path):
     assert EngineConfig(kv_transfer_config=options["kv_transfer_config"]).kv_transfer_config.is_consumer
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-transfer-config", "SharedStorageConnector"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("connector", ["SharedStorageConnector", "ZmqConnector"])
+def test_on_a_gpu_the_consumer_equals_transformers_with_every_switch_on(tmp_path, hf_models, reference, connector):
+    """On CUDA in fp32 with the GPU defaults (Triton attention, decode graphs, piecewise graphs,
+    fused ops, async scheduling): the loads land in the pool the graphs read, before the replay."""
+    import socket
+
+    from minivllm import load_model
+
+    hf = hf_models["qwen3"]
+    if connector == "ZmqConnector":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        extra = {"kv_host": "127.0.0.1", "kv_port": port}
+    else:
+        extra = {"shared_storage_path": str(tmp_path)}
+    config = {"kv_connector": connector, "kv_connector_extra_config": extra}
+    model = load_model(hf, device="cuda", dtype=torch.float32)
+    prompts = random_prompts([9, 30, 17, 64, 5], seed=12)
+    settings = {"block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 32}
+    LLM(model, kv_transfer_config=config | {"kv_role": "kv_producer"}, **settings).generate(
+        prompts[:4], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)
+    consumer = LLM(model, kv_transfer_config=config | {"kv_role": "kv_consumer"}, **settings)
+    outputs = consumer.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert out.outputs[0].token_ids == reference(hf, prompt, 12), f"prompt {i}: differs from transformers"
+    assert [o.num_cached_tokens for o in outputs] == [0, 16, 16, 48, 0]
