@@ -20,6 +20,7 @@ LAYERS = [
     {"model"},  # the decoder (and ModelConfig, its shape)
     {"fused", "loader", "machine", "distributed", "structured_outputs"},  # around the model
     {"config", "request"},  # the engine's settings; a request's parameters, state, outputs, wire types
+    {"kv_transfer"},  # chapter 17: the KV connector, called by the scheduler (core) and the model runner (worker)
     {"worker"},  # the model runner: a step's plan -> one forward pass -> tokens
     {"executor"},  # chapter 14: one step across N ranks
     {"core"},  # the engine core: scheduler, KV blocks, step phases, the core process

@@ -74,6 +74,10 @@ CONTRACTS = {
                           "-1 past its end", "seq.block_table[known:]", "other rows are untouched"],
     "SampledTokens.feed": ["flat[:T]", "arrays.query_start[i]", "num_output_placeholders", "self.device[j]",
                            "no copy to the host"],
+    "SharedStorageConnector.get_num_new_matched_tokens": [
+        "a multiple of block_size", "min(seq.num_prompt_tokens, seq.num_tokens - 1) // B",
+        "stopping at the first missing one", "match * B - num_computed_tokens", "not positive",
+        "self.config.is_consumer", "prompt logprobs", "Reads only"],
     "rollback": ["num_spec_tokens", "has dropped by num_rejected", "block_manager.shrink", "ValueError"],
     "apply_token_bitmask": ["[S, V]", "[R, W] torch.int32", "ceil(V / 32)", "-inf", "least significant bit first",
                             "stay untouched", "bits past V are ignored"],

@@ -19,6 +19,7 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     data_parallel_size      (1: one engine core; cores in processes)     14
     async_scheduling        on on a GPU (one process), off on a CPU      16
     persistent_batch        on: block tables kept in rows across steps   16
+    kv_transfer_config      off (None); a dict as vLLM's                 17
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from minivllm.config.kv_transfer import KVTransferConfig
 from minivllm.config.speculative import SpeculativeConfig
 from minivllm.model import Decoder
 
@@ -129,6 +131,7 @@ class EngineConfig:
     data_parallel_size: int = 1  # engine cores, each a whole copy of the model (chapter 14; served only)
     async_scheduling: bool | None = None  # chapter 16: plan step N+1 while step N runs on the device
     persistent_batch: bool | None = None  # chapter 16: block tables in rows kept across steps
+    kv_transfer_config: dict | KVTransferConfig | None = None  # chapter 17: K/V to or from another instance
 
     def __post_init__(self) -> None:
         for name, minimum, allow_none in (("block_size", 1, False), ("num_kv_blocks", 1, True),
@@ -154,6 +157,10 @@ class EngineConfig:
                              "copies for one that does)")
         if self.speculative_config is not None:  # frozen: normalise the user's dict once, here
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        if self.kv_transfer_config is not None:  # chapter 17; rank 0's pool alone is not a block's K/V under TP
+            object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_dict(self.kv_transfer_config))
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_transfer_config needs tensor_parallel_size=1: each rank holds only its own KV heads")
 
     @classmethod
     def from_settings(cls, **settings: Any) -> EngineConfig:

@@ -39,6 +39,7 @@ from minivllm.core.scheduler import Scheduler
 from minivllm.core.spec_decode.speculator import Speculator
 from minivllm.core.trace import Trace
 from minivllm.distributed.direct_load import unloaded_model
+from minivllm.kv_transfer import KVConnectorRole, make_connector
 from minivllm.loader import load_model, load_tokenizer
 from minivllm.machine import environment
 from minivllm.model import Decoder
@@ -68,7 +69,10 @@ class EngineCore:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         manager = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
         self.block_manager = manager(config.num_kv_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        # Chapter 17: K/V to or from another instance (None without a kv_transfer_config).
+        self.connector = make_connector(config, model, KVConnectorRole.SCHEDULER)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.connector)
         if config.tensor_parallel_size > 1:  # chapter 14: rank 0's runner, which also drives the other ranks
             from minivllm.executor.tensor_parallel import TensorParallelRunner
 
@@ -205,6 +209,8 @@ class EngineCore:
             schedule = self.scheduler.schedule()
             if self.speculator is not None:
                 self.speculator.fit(schedule, self.scheduler.running, list(self.scheduler.waiting))
+            if self.connector is not None:  # chapter 17: where loaded tokens go; what the worker moves
+                schedule.kv_connector_metadata = self.connector.plan_step(schedule)
         if not schedule.seqs:
             if (self.scheduler.waiting or self.scheduler.running) and not schedule.preempted:
                 raise RuntimeError(

@@ -28,14 +28,17 @@ from __future__ import annotations
 from collections import deque
 
 from minivllm.core.block_manager import BlockManager
+from minivllm.kv_transfer.base import KVConnectorBase
 from minivllm.request.sequence import SchedulerOutput, Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 connector: KVConnectorBase | None = None):
+        """connector: chapter 17's KV connector, scheduler side (None: all K/V are computed here)."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        self.block_manager = block_manager
+        self.block_manager, self.connector = block_manager, connector
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in the order they were admitted: the last is the newest
@@ -73,8 +76,8 @@ class Scheduler:
            preemption, and the preempted request is first in line: with blocks shared by a
            prefix cache, chapter 11, it could otherwise come straight back in the step that
            preempted it.) The head of the queue first takes the cached blocks of its prefix,
-           if any (seq.num_computed_tokens = block_manager.reuse_prefix(seq); always 0 before
-           chapter 11). It comes in only if the free blocks then cover its whole num_tokens
+           if any, and the tokens a KV connector can load (seq.num_computed_tokens =
+           self.reuse_computed(seq); always 0 before chapter 11). It comes in only if the free blocks then cover its whole num_tokens
            plus one block per running request, counting those admitted earlier in this same
            step; else it gives those blocks back with block_manager.release,
            num_computed_tokens returns to 0, and nobody comes in this step: no one overtakes
@@ -110,7 +113,7 @@ class Scheduler:
         # memory is short, so nobody new comes in this step (the preempted one is first in line).
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            seq.num_computed_tokens = self.block_manager.reuse_prefix(seq)  # cached blocks (chapter 11)
+            seq.num_computed_tokens = self.reuse_computed(seq)  # cached blocks (chapter 11), loaded K/V (17)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             needed = self.block_manager.missing_blocks(seq.block_table, seq.num_tokens)  # the whole prompt
             if needed + len(self.running) > self.block_manager.num_free:
@@ -125,6 +128,14 @@ class Scheduler:
             budget -= n
         return out
         # END SOLUTION
+
+    def reuse_computed(self, seq: Sequence) -> int:
+        """The tokens at the start of seq whose K/V need no computing here: the blocks of its prefix
+        found in the prefix cache (chapter 11), then those a KV connector can load (chapter 17)."""
+        cached = self.block_manager.reuse_prefix(seq)
+        if self.connector is None:
+            return cached
+        return cached + self.connector.lookup(seq, cached)
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute-preemption: free the KV cache of a running request and requeue it first."""
@@ -143,5 +154,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.waiting_for_grammar:  # chapter 13
             self.waiting_for_grammar.remove(seq)
+        if self.connector is not None:  # chapter 17: its saves are written within their steps, so the blocks go now
+            self.connector.request_finished(seq)
         self.block_manager.release(seq.block_table)
         seq.status = Status.FINISHED

@@ -49,6 +49,7 @@ NOTEBOOKS = {
     "ch14": "notebooks/14_tensor_parallelism.ipynb",
     "ch15": "notebooks/15_engine_core_process.ipynb",
     "ch16": "notebooks/16_async_scheduling.ipynb",
+    "ch17": "notebooks/17_disaggregated_prefill.ipynb",
 }
 
 
@@ -159,6 +160,9 @@ EXERCISES: list[Exercise] = [
     Exercise("ch16", "minivllm.worker.sampled_tokens", "SampledTokens.feed",
              "Exercise 16.2: feeding the sampled ids on the device",
              "write last step's sampled ids over this step's placeholders, on the device, without the host"),
+    Exercise("ch17", "minivllm.kv_transfer.shared_storage", "SharedStorageConnector.get_num_new_matched_tokens",
+             "Exercise 17.1: what the consumer can load",
+             "how many prompt tokens the stored blocks supply: the leading full blocks with a file, never the last token"),
 ]
 
 

@@ -51,7 +51,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 cuda_graphs=False if args.enforce_eager else None, enable_prefix_caching=args.enable_prefix_caching,
                 speculative_config=args.speculative_config, disable_any_whitespace=args.disable_any_whitespace,
                 tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                async_scheduling=args.async_scheduling, persistent_batch=args.persistent_batch)
+                async_scheduling=args.async_scheduling, persistent_batch=args.persistent_batch,
+                kv_transfer_config=args.kv_transfer_config)
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -178,6 +179,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="share the KV blocks of common prefixes (default: on, as in vLLM)")
     serve.add_argument("--speculative-config", type=json_object, default=None,
                        help='speculative decoding (chapter 12), as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    serve.add_argument("--kv-transfer-config", type=json_object, default=None,
+                       help='disaggregated prefill (chapter 17), as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
+                            '"kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\'')
     serve.add_argument("--disable-any-whitespace", action=argparse.BooleanOptionalAction, default=None,
                        help="JSON constraints (response_format, structured_outputs) without free whitespace, unless "
                             "a request says otherwise (default: on; vLLM's default is off)")
@@ -211,11 +215,29 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.set_defaults(run=_serve)
 
 
+def add_disagg_proxy_parser(commands: argparse._SubParsersAction) -> None:
+    proxy = commands.add_parser("disagg-proxy", help="one address in front of a prefill and a decode instance (chapter 17)")
+    proxy.add_argument("--prefill", required=True, help="the prefill instance's base url, e.g. http://127.0.0.1:8100")
+    proxy.add_argument("--decode", required=True, help="the decode instance's base url, e.g. http://127.0.0.1:8200")
+    proxy.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default) serves this machine only")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.set_defaults(run=_disagg_proxy)
+
+
+def _disagg_proxy(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from minivllm.entrypoints.disagg_proxy import build_proxy
+
+    uvicorn.run(build_proxy(args.prefill.rstrip("/"), args.decode.rstrip("/")), host=args.host, port=args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description="A vLLM-style inference engine, one idea per chapter.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     add_serve_parser(commands)  # `minivllm serve`
+    add_disagg_proxy_parser(commands)  # `minivllm disagg-proxy` (chapter 17)
     # Other packages add commands through the entry-point group "minivllm.commands" (pyproject.toml):
     # the course registers `tour`, `bench-serve` and `exercises` there, so this module never imports it.
     for entry_point in importlib.metadata.entry_points(group="minivllm.commands"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -141,6 +141,7 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    kv_connector_metadata: Any = None  # chapter 17: the step's K/V loads and saves (kv_transfer/base.py)
 
     @property
     def total_tokens(self) -> int:

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 from minivllm.attention import paged_attention_class
 from minivllm.attention.paged import KVPool
 from minivllm.config.engine import EngineConfig
+from minivllm.kv_transfer import KVConnectorRole, make_connector
 from minivllm.model import Decoder
 from minivllm.request.sequence import SchedulerOutput
 from minivllm.worker.cuda_graphs import GraphRunner, bucket_for
@@ -76,6 +77,7 @@ class ModelRunner:
         # One block more than the block manager hands out: the rows that pad a CUDA graph's
         # batch read and write that one, so they never touch a request's cache.
         self.pool = KVPool(model, config.num_kv_blocks + 1, config.block_size)
+        self.connector = make_connector(config, model, KVConnectorRole.WORKER)  # chapter 17 (None: off)
         # Chapter 16: block tables in rows that persist across steps, written only where they change
         # (speculation's rollback can change them anywhere past its cut: compared whole then).
         self.batch = None
@@ -136,7 +138,12 @@ class ModelRunner:
             prompt_rows = {i: (int(arrays.query_start[i]), int(arrays.query_start[i]) + num_new[i])
                            for i, seq in enumerate(seqs)
                            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens}
-        return self.execute(StepPlan(arrays, len(seqs), graph_size, piece_size, prompt_rows), flat)
+        if self.connector is not None:  # chapter 17: K/V another instance computed, into this step's blocks
+            self.connector.load_kv(schedule.kv_connector_metadata, self.pool)
+        result = self.execute(StepPlan(arrays, len(seqs), graph_size, piece_size, prompt_rows), flat)
+        if self.connector is not None:  # chapter 17: and the K/V this step computed, out for another
+            self.connector.save_kv(self.pool)
+        return result
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, flat: torch.Tensor | None = None
