@@ -261,11 +261,13 @@ def test_a_step_never_waits_for_the_gpu_before_reading_its_tokens(hf_models, sam
 def test_chapter_script_runs_on_the_tiny_checkpoint(tiny_checkpoint, tmp_path):
     script = Path(__file__).resolve().parent.parent / "chapters" / "09_cuda_graphs.py"
     payload = run_script(script, ["--model", str(tiny_checkpoint), "--device", "cpu", "--batch-size", "4",
-                                  "--context", "40", "--steps", "2"], tmp_path, "09_cuda_graphs_cpu")
+                                  "--context", "40", "--steps", "2", "--out", str(tmp_path)], tmp_path, "09_cuda_graphs_cpu")
     assert payload["same_tokens"] == {"eager": True}
     assert [p["variant"] for p in payload["profiles"]] == ["eager"]
     assert [r["batch_size"] for r in payload["lean_step"]["prepare"]] == [1, 4, 16, 64, 256]
     padding = payload["lean_step"]["padding_rows"]
     assert len(padding) == 256 and min(padding) == 0 and max(padding) == 15
-    for name in ("09_step_timeline", "09_step_breakdown", "09_lean_step"):
+    assert payload["graph_paths"]["same_tokens_as_eager"]
+    assert {s["path"] for s in payload["graph_paths"]["steps"]} >= {"decode graph", "pieces"}
+    for name in ("09_step_timeline", "09_step_breakdown", "09_lean_step", "09_piecewise"):
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 10_000

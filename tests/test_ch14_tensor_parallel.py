@@ -235,11 +235,13 @@ def test_a_step_plan_survives_its_message(seed):
     graph = seed == 2  # a padded decode step, as a CUDA graph replays it
     arrays = build_step_arrays(seqs, [1] * len(seqs) if graph else num_new, 4,
                                num_rows=8 if graph else None, pad_block=99 if graph else None)
-    plan = StepPlan(arrays, len(seqs), 8 if graph else None, {0: (0, 3), len(seqs) - 1: (5, 9)})
+    pieces = 32 if seed == 1 else None  # a step replayed from the pieces of a 32-token bucket (chapter 9)
+    plan = StepPlan(arrays, len(seqs), 8 if graph else None, pieces, {0: (0, 3), len(seqs) - 1: (5, 9)})
     header, body = messages.encode(plan)
     assert messages.body_size(header) == len(body)
     got = messages.decode(header, body)
-    assert (got.num_seqs, got.graph_size, got.prompt_rows) == (plan.num_seqs, plan.graph_size, plan.prompt_rows)
+    assert ((got.num_seqs, got.graph_size, got.piece_size, got.prompt_rows)
+            == (plan.num_seqs, plan.graph_size, plan.piece_size, plan.prompt_rows))
     for field in dataclasses.fields(arrays):
         a, b = getattr(arrays, field.name), getattr(got.arrays, field.name)
         assert np.array_equal(np.asarray(a), np.asarray(b)), field.name
