@@ -7,7 +7,8 @@ On a GPU, with CUDA graphs, the device runs a decode step of Qwen3-0.6B at batch
 milliseconds, and every microsecond of Python per sequence is 0.26 ms of step time that the GPU
 may spend waiting. This measures that Python alone, on the CPU: an engine with batch-size
 requests that are all decoding (contexts within 10 % of --context, prompt and output tokens
-random, greedy, EOS ignored, each output returned when it finishes as `LLM.generate` asks, prefix
+random, greedy, EOS ignored, none finishing before the last measured step (each step is checked
+to run the whole batch), each output returned when it finishes as `LLM.generate` asks, prefix
 caching on as by default) whose model never runs: the
 runner builds the step's inputs exactly as the engine does and hands the sampler fixed logits
 (over a 256-token vocabulary: on a GPU the argmax over a real vocabulary is device work, and
@@ -69,9 +70,15 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
         model = minivllm.load_model(Path(folder) / "config.json", device="cpu", dtype=torch.float32)
     rng = random.Random(seed)
     spread = context // 10
-    max_tokens = steps + 8
+    # Nobody may finish before the measured steps end: the prompts take up to prefill_steps steps
+    # (each leaves at least budget - batch_size tokens of its budget to them), and the requests
+    # admitted first decode all the while.
+    budget = max(2048, 2 * batch_size)
+    prefill_steps = -(-batch_size * (context + spread) // (budget - batch_size)) + 1
+    max_tokens = prefill_steps + steps + 8
     blocks = batch_size * (-(-(context + spread + max_tokens) // 16) + 1)
-    engine = LLMEngine(model, num_kv_blocks=blocks, max_num_seqs=batch_size, max_model_len=CONFIG["max_position_embeddings"])
+    engine = LLMEngine(model, num_kv_blocks=blocks, max_num_seqs=batch_size, max_num_batched_tokens=budget,
+                       max_model_len=CONFIG["max_position_embeddings"])
     logits = torch.randn(batch_size, CONFIG["vocab_size"], generator=torch.Generator().manual_seed(seed))
     buckets = graph_batch_sizes(batch_size)
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
@@ -102,10 +109,13 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
     # Chapter 16's engine asks the sampler for tokens left on the device (Sampler.sample); before, it called it.
     sampler = getattr(engine.core.sampler, "sample", engine.core.sampler)
 
+    batch_sizes: list[int] = []
+
     def timed_schedule():
         start = clock()
         out = schedule_fn()
         times["schedule"].append(clock() - start)
+        batch_sizes.append(len(out.seqs))
         return out
 
     def timed_sample(*args):
@@ -130,11 +140,13 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
         engine.step()  # the prompts, chunk by chunk: not measured
     for phase in PHASES:
         times[phase].clear()
+    batch_sizes.clear()
     for _ in range(steps):
         start = clock()
         engine.step()
         times["step"].append(clock() - start)
     assert len(times["step"]) == len(times["schedule"]) == steps, "a step was not a decode step of the whole batch"
+    assert batch_sizes == [batch_size] * steps, f"steps of {sorted(set(batch_sizes))} sequences, not all {batch_size}"
     # An engine step prepares once: the graph-padded prepare measured beside it is not part of it.
     times["step"] = [t - g for t, g in zip(times["step"], times["prepare (graph)"])]
     times["finish"] = [t - s - p - q for t, s, p, q in zip(times["step"], times["schedule"], times["prepare (eager)"],
