@@ -1,13 +1,14 @@
 """Host time of one decode step at a GPU's batch size, phase by phase (chapter 9).
 
     python benchmarks/host_step.py [--batch-size 256] [--context 600] [--steps 40] [--rounds 3]
-                                   [--baseline REV] [--threads 1]
+                                   [--baseline REV] [--threads 1] [--clock wall|cpu]
 
 On a GPU, with CUDA graphs, the device runs a decode step of Qwen3-0.6B at batch 256 in a few
 milliseconds, and every microsecond of Python per sequence is 0.26 ms of step time that the GPU
 may spend waiting. This measures that Python alone, on the CPU: an engine with batch-size
 requests that are all decoding (contexts within 10 % of --context, prompt and output tokens
-random, greedy, EOS ignored, each output returned when it finishes as `LLM.generate` asks, prefix
+random, greedy, EOS ignored, none finishing before the last measured step (each step is checked
+to run the whole batch), each output returned when it finishes as `LLM.generate` asks, prefix
 caching on as by default) whose model never runs: the
 runner builds the step's inputs exactly as the engine does and hands the sampler fixed logits
 (over a 256-token vocabulary: on a GPU the argmax over a real vocabulary is device work, and
@@ -23,6 +24,10 @@ Per step, the median over --steps decode steps:
 - sample: the sampler (all rows greedy: an argmax and the tokens back to the host);
 - finish: the rest of `LLMEngine.step`: counting computed tokens, appending the tokens,
   finishing and retiring requests, building outputs.
+
+--clock cpu times each phase in the CPU time of the measuring thread (time.thread_time) instead
+of wall time: on a shared machine, time spent waiting for a core is then not counted (the host
+work measured here never waits for anything else).
 
 With --baseline REV, the same measurement also runs on the code of git revision REV (exported
 with `git archive`), the two alternating round by round, each in a fresh process: the ratios
@@ -53,7 +58,7 @@ CONFIG = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size
               torch_dtype="float32", eos_token_id=0)
 
 
-def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, Any]:
+def measure(batch_size: int, context: int, steps: int, seed: int, clock_name: str = "wall") -> dict[str, Any]:
     """Milliseconds per decode step, by phase, of whatever minivllm this interpreter imports."""
     import torch
 
@@ -69,13 +74,19 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
         model = minivllm.load_model(Path(folder) / "config.json", device="cpu", dtype=torch.float32)
     rng = random.Random(seed)
     spread = context // 10
-    max_tokens = steps + 8
+    # Nobody may finish before the measured steps end: the prompts take up to prefill_steps steps
+    # (each leaves at least budget - batch_size tokens of its budget to them), and the requests
+    # admitted first decode all the while.
+    budget = max(2048, 2 * batch_size)
+    prefill_steps = -(-batch_size * (context + spread) // (budget - batch_size)) + 1
+    max_tokens = prefill_steps + steps + 8
     blocks = batch_size * (-(-(context + spread + max_tokens) // 16) + 1)
-    engine = LLMEngine(model, num_kv_blocks=blocks, max_num_seqs=batch_size, max_model_len=CONFIG["max_position_embeddings"])
+    engine = LLMEngine(model, num_kv_blocks=blocks, max_num_seqs=batch_size, max_num_batched_tokens=budget,
+                       max_model_len=CONFIG["max_position_embeddings"])
     logits = torch.randn(batch_size, CONFIG["vocab_size"], generator=torch.Generator().manual_seed(seed))
     buckets = graph_batch_sizes(batch_size)
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
-    clock = time.perf_counter
+    clock = time.thread_time if clock_name == "cpu" else time.perf_counter
 
     # Chapter 16's persistent batch where the tree has one (rows kept across steps); chapter 9's
     # build_step_arrays, from the requests' lists every step, where it has not.
@@ -102,10 +113,13 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
     # Chapter 16's engine asks the sampler for tokens left on the device (Sampler.sample); before, it called it.
     sampler = getattr(engine.core.sampler, "sample", engine.core.sampler)
 
+    batch_sizes: list[int] = []
+
     def timed_schedule():
         start = clock()
         out = schedule_fn()
         times["schedule"].append(clock() - start)
+        batch_sizes.append(len(out.seqs))
         return out
 
     def timed_sample(*args):
@@ -130,11 +144,13 @@ def measure(batch_size: int, context: int, steps: int, seed: int) -> dict[str, A
         engine.step()  # the prompts, chunk by chunk: not measured
     for phase in PHASES:
         times[phase].clear()
+    batch_sizes.clear()
     for _ in range(steps):
         start = clock()
         engine.step()
         times["step"].append(clock() - start)
     assert len(times["step"]) == len(times["schedule"]) == steps, "a step was not a decode step of the whole batch"
+    assert batch_sizes == [batch_size] * steps, f"steps of {sorted(set(batch_sizes))} sequences, not all {batch_size}"
     # An engine step prepares once: the graph-padded prepare measured beside it is not part of it.
     times["step"] = [t - g for t, g in zip(times["step"], times["prepare (graph)"])]
     times["finish"] = [t - s - p - q for t, s, p, q in zip(times["step"], times["schedule"], times["prepare (eager)"],
@@ -162,7 +178,7 @@ def worker(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     """measure() in a fresh process that imports minivllm from `tree`."""
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(args.threads))
     command = [sys.executable, __file__, "--worker", "--batch-size", str(args.batch_size), "--context",
-               str(args.context), "--steps", str(args.steps), "--seed", str(args.seed)]
+               str(args.context), "--steps", str(args.steps), "--seed", str(args.seed), "--clock", args.clock]
     done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise SystemExit(f"the measurement failed on {tree}:\n{done.stderr[-3000:]}")
@@ -182,6 +198,8 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="a git revision to measure side by side with this tree")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of each measurement")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: time.perf_counter; cpu: the measuring thread's CPU time (a shared machine)")
     parser.add_argument("--results", default="09_host_step_cpu",
                         help="name of the JSON under benchmarks/results/ (chapter 16 writes 16_host_step_cpu)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -195,7 +213,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        print(json.dumps(measure(args.batch_size, args.context, args.steps, args.seed)))
+        print(json.dumps(measure(args.batch_size, args.context, args.steps, args.seed, args.clock)))
         return
 
     from rich.console import Console
@@ -219,7 +237,8 @@ def main() -> None:
     medians = {name: {phase: statistics.median(run[phase] for run in rs) for phase in PHASES} for name, rs in runs.items()}
     import platform
 
-    machine = f"{platform.processor() or platform.machine()}, {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}"
+    machine = (f"{platform.processor() or platform.machine()}, {args.threads} thread(s), load average "
+               f"{os.getloadavg()[0]:.1f}, {args.clock} clock")
     table = Table(title=f"Host time of one decode step: {args.batch_size} requests, contexts ~{args.context}, "
                         f"median of {args.steps} steps × {args.rounds} rounds\n{machine}")
     table.add_column("phase")
@@ -241,7 +260,7 @@ def main() -> None:
 
     path = save_results(args.results, dict(
         created=time.strftime("%Y-%m-%d %H:%M:%S"), machine=machine, python=platform.python_version(),
-        batch_size=args.batch_size, context=args.context, steps=args.steps, rounds=args.rounds,
+        batch_size=args.batch_size, context=args.context, steps=args.steps, rounds=args.rounds, clock=args.clock,
         command=" ".join(["python", "benchmarks/host_step.py", *sys.argv[1:]]), model=CONFIG,
         trees=revisions, runs=runs, medians_ms=medians))
     console.print(f"saved {path}")

@@ -49,7 +49,7 @@ from minivllm.request.messages import (
     EngineCoreRequest,
     EngineCoreStats,
 )
-from minivllm.request.sequence import SchedulerOutput, Sequence, SequenceGroup
+from minivllm.request.sequence import SchedulerOutput, Sequence, SequenceGroup, Status
 from minivllm.structured_outputs.backend import XgrammarBackend
 from minivllm.structured_outputs.matcher import SequenceGrammar
 from minivllm.worker.model_runner import ModelRunner
@@ -244,20 +244,27 @@ class EngineCore:
             record.accepted = {seq.request_id: len(tokens) - 1 for seq, (tokens, _) in zip(sampled, chosen)
                                if seq.request_id in record.drafts}
         now = time.perf_counter()
+        # Once per sequence, every step: kept to a few attribute reads and one call each (at
+        # batch 256 every 100 ns here is 26 µs of host time per step).
+        eos_token_ids, finished = self.eos_token_ids, Status.FINISHED
         with record_function("finish"):
             outputs = []
             for seq, (tokens, tops) in zip(sampled, chosen):
                 # Chapter 16: finished (its end was in the step before) or aborted (a stop string,
                 # a disconnect) while this step ran: its extra token goes nowhere.
-                if seq.is_finished:
+                if seq.status is finished:
                     continue
-                appended = self._append(seq, tokens, now)
+                if len(tokens) == 1 and seq.grammar is None:  # the common case: _append's, in one call
+                    seq.append_token(tokens[0], eos_token_ids, now)
+                else:
+                    appended = self._append(seq, tokens, now)
+                    tokens, tops = tokens[:appended], tops[:appended]
                 if seq.finish_reason is not None:
                     seq.finish_time = now
                     self.scheduler.finish(seq)
                     if seq.group.is_finished:
                         del self.requests[seq.group.request_id]
-                outputs.append(self._output(seq, tokens[:appended], tops[:appended]))
+                outputs.append(self._output(seq, tokens, tops))
         if record is not None:
             record.seconds = time.perf_counter() - step.start
         return outputs
@@ -324,7 +331,7 @@ class EngineCore:
             prompt_logprobs = group.prompt_logprobs[group.num_prompt_logprobs_sent:]
             group.num_prompt_logprobs_sent = len(group.prompt_logprobs)
         stop_reason = seq.stop_reason if isinstance(seq.stop_reason, int) else None
-        return EngineCoreOutput(seq.group.request_id, seq.index, tokens,
+        return EngineCoreOutput(group.request_id, seq.index, tokens,
                                 None if seq.params.logprobs is None else tops, prompt_logprobs,
                                 seq.finish_reason, stop_reason, seq.first_token_time, seq.num_preemptions,
                                 seq.num_cached_tokens, seq.num_draft_tokens, seq.num_accepted_tokens)

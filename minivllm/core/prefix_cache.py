@@ -154,8 +154,9 @@ class PrefixCachingBlockManager(BlockManager):
         """Chapter 6's grow, taking the least recently freed blocks (evicting their content),
         then registering every block that num_tokens tokens fill. The first grow after
         reuse_prefix admits the request: its lookup and hits are counted then."""
-        needed = self.missing_blocks(table, num_tokens)
-        if needed > self.num_free:
+        # missing_blocks, written out (every running request grows every step, mostly by nothing)
+        needed = -(-num_tokens // self.block_size) - len(table)
+        if needed > len(self.free):
             raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free} free")
         hits = self.pending_hits.pop(id(table), None)
         if hits is not None:
@@ -169,7 +170,8 @@ class PrefixCachingBlockManager(BlockManager):
             self._evict(block)
             self.ref_counts[block] = 1
             table.append(block)
-        if id(table) in self.owners:
+        owner = self.owners.get(id(table))
+        if owner is not None and len(owner[1]) < num_tokens // self.block_size:  # a block newly filled
             self._register_full_blocks(table, num_tokens)
 
     def shrink(self, table: list[int], num_tokens: int) -> None:
