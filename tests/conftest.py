@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+import floors
 import pytest
 import torch
 from tiny_models import CHAT_TEMPLATE, CONFIGS, hf_greedy, tiny_hf_model
@@ -98,8 +99,10 @@ if INTERPRETER:
 INTERPRETER_CHECKS = ["tests/test_ch08_triton.py", "tests/test_ch09_fused.py"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected check is read
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a process that interprets Triton kernels on a machine with a GPU (TRITON_INTERPRET=1 by
+    """The checks that touch transformers, Triton or xgrammar without the `floors` marker, for
+    tests/test_floors_marker.py (tests/floors.py says which touch them). In a process that interprets Triton kernels on a machine with a GPU (TRITON_INTERPRET=1 by
     hand), the GPU checks would run interpreted kernels: skip them, saying where they run."""
     if INTERPRETER and torch.cuda.is_available():
         skip = pytest.mark.skip(reason="TRITON_INTERPRET=1: this process runs Triton's interpreter; "
@@ -107,6 +110,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    config.stash[floors.UNMARKED] = floors.missing_marker(items)
 
 
 @pytest.fixture(scope="module")

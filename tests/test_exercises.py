@@ -246,6 +246,7 @@ def test_make_refuses_the_repository_and_non_empty_folders(tmp_path):
         make_student_copy(tmp_path / "new", chapters=["ch9"])
 
 
+@pytest.mark.floors
 def test_exercises_list_prints_every_exercise(capsys, monkeypatch):
     from minivllm.entrypoints.cli import main
 
@@ -270,6 +271,7 @@ def test_a_stub_of_another_chapter_names_the_exercise_to_do_first():
 CHEAP_CHAPTERS = ["ch01", "ch02"]
 
 
+@pytest.mark.floors
 @solutions
 def test_student_copy_fails_its_chapter_checks(tmp_path):
     """Generate the student copy and run chapters 1 and 2's checks inside it: they must fail,
@@ -341,6 +343,7 @@ def check_outcomes(report) -> list[tuple[str, list[str], str | None]]:
     return found
 
 
+@pytest.mark.floors
 @solutions
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
@@ -381,6 +384,7 @@ assert len(out[0].outputs[0].token_ids) == 8, out
 """
 
 
+@pytest.mark.floors
 @solutions
 @pytest.mark.slow
 @pytest.mark.timeout(900)
