@@ -29,7 +29,6 @@ import pytest
 FLOORED_PACKAGES = frozenset({"transformers", "triton", "xgrammar"})
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
-UNMARKED = pytest.StashKey[list[str]]()  # missing_marker of the whole collection, set by conftest.py
 
 
 def imported_names(tree: ast.AST, package: str) -> dict[str, str]:

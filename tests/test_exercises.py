@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 
 import pytest
+from collection import ALL_ITEMS, files_with_chapters
 
 from minivllm.course import exercises
 from minivllm.course.exercises import EXERCISES, NOTEBOOKS, Exercise, find_regions, make_student_copy, stub_source
@@ -348,7 +349,7 @@ def check_outcomes(report) -> list[tuple[str, list[str], str | None]]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter):
+def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter, request):
     """With `chapter` and every later chapter stubbed (earlier ones solved): the previous
     chapter's checks all pass, so none of them needs a later exercise; and every check of
     `chapter` that fails names one of this chapter's exercises. Run over every chapter, this is
@@ -361,8 +362,12 @@ def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter):
     report = copy / f"report-{chapter}.xml"
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
     marker = f"{before} or {chapter}" if before else chapter
+    # Only the files that hold these chapters' checks, as this session collected them: the run
+    # selects the same checks, without importing and collecting the whole suite for each chapter.
+    files = files_with_chapters(request.config.stash[ALL_ITEMS], {before, chapter} - {None}) or ["tests"]
     result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider",
-                             f"--junitxml={report}"], cwd=copy, env=env, capture_output=True, text=True, timeout=1100)
+                             f"--junitxml={report}", *files], cwd=copy, env=env, capture_output=True, text=True,
+                            timeout=1100)
     outcomes = check_outcomes(report) if report.is_file() else []
     assert outcomes, f"no checks ran for -m '{marker}':\n{(result.stdout + result.stderr)[-3000:]}"
     broken = [(test, text) for test, chapters, text in outcomes if before in chapters and text is not None]
