@@ -274,7 +274,7 @@ CHEAP_CHAPTERS = ["ch01", "ch02"]
 
 @pytest.mark.floors
 @solutions
-def test_student_copy_fails_its_chapter_checks(tmp_path):
+def test_student_copy_fails_its_chapter_checks(tmp_path, request):
     """Generate the student copy and run chapters 1 and 2's checks inside it: they must fail,
     on the stubs (the main suite runs the same checks on the solution, where they pass)."""
     copy = tmp_path / "student"
@@ -288,8 +288,10 @@ def test_student_copy_fails_its_chapter_checks(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
     marker = " or ".join(CHEAP_CHAPTERS)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider"],
-                            cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    # only the files holding their checks, as this session collected them (tests/collection.py)
+    files = files_with_chapters(request.config.stash[ALL_ITEMS], set(CHEAP_CHAPTERS)) or ["tests"]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider",
+                             *files], cwd=copy, env=env, capture_output=True, text=True, timeout=600)
     out = result.stdout + result.stderr
     assert result.returncode == 1, f"the student copy's {marker} checks should fail:\n{out[-3000:]}"
     for ex in EXERCISES:
@@ -363,7 +365,8 @@ def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter, 
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
     marker = f"{before} or {chapter}" if before else chapter
     # Only the files that hold these chapters' checks, as this session collected them: the run
-    # selects the same checks, without importing and collecting the whole suite for each chapter.
+    # selects the same checks, without importing and collecting the whole suite for each chapter
+    # (about half the work of an early chapter's run).
     files = files_with_chapters(request.config.stash[ALL_ITEMS], {before, chapter} - {None}) or ["tests"]
     result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider",
                              f"--junitxml={report}", *files], cwd=copy, env=env, capture_output=True, text=True,
