@@ -10,7 +10,9 @@ touches a floored package when
 2. its function, its decorators (parametrize values) or its class refer to a name that reaches
    one: a name imported from transformers, triton or xgrammar (pytest.importorskip included);
    from a minivllm module that imports one, itself or through the minivllm modules it imports,
-   at any depth, imports inside functions and modules named in strings (importlib) included;
+   at any depth, imports inside functions and modules named in strings (importlib) included
+   (the packages above a module count by what they import on import: their functions are
+   not called by importing it);
    from a test helper module (tiny_models ...) whose definition of that name refers to one; or
    a function, class or constant of the check's own module that refers to such a name;
 3. or it starts another Python process (subprocess, multiprocessing, runpy, sys.executable),

@@ -10,7 +10,9 @@ from collection import ALL_ITEMS
 
 
 def test_every_check_that_touches_a_floored_package_is_marked(request):
-    unmarked = floors.missing_marker(request.config.stash[ALL_ITEMS])  # every check collected, whatever -m chose
+    # every check this session collected, whatever -m chose: the whole suite under the README's
+    # commands, the files named when pytest is given some
+    unmarked = floors.missing_marker(request.config.stash[ALL_ITEMS])
     assert not unmarked, ("checks that run transformers, Triton or xgrammar code but are not marked `floors` "
                           "(add pytest.mark.floors to the test, or to the module's pytestmark):\n" + "\n".join(unmarked))
 
