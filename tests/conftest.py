@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from collection import ALL_ITEMS
 from tiny_models import CHAT_TEMPLATE, CONFIGS, hf_greedy, tiny_hf_model
 
 import minivllm
@@ -98,15 +99,18 @@ if INTERPRETER:
 INTERPRETER_CHECKS = ["tests/test_ch08_triton.py", "tests/test_ch09_fused.py"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected check is read
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a process that interprets Triton kernels on a machine with a GPU (TRITON_INTERPRET=1 by
-    hand), the GPU checks would run interpreted kernels: skip them, saying where they run."""
+    """Every collected check is kept for the checks about the suite (tests/collection.py). In a
+    process that interprets Triton kernels on a machine with a GPU (TRITON_INTERPRET=1 by hand),
+    the GPU checks would run interpreted kernels: skip them, saying where they run."""
     if INTERPRETER and torch.cuda.is_available():
         skip = pytest.mark.skip(reason="TRITON_INTERPRET=1: this process runs Triton's interpreter; "
                                        "the GPU checks run in a process without it (pytest -m gpu)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    config.stash[ALL_ITEMS] = list(items)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).parents[1] / "minivllm"
 # Bottom to top, as docs/architecture.md draws it. A module may import its own folder and anything
 # on a lower layer. Folders and root modules not listed here fail the test: place them first.
@@ -118,6 +120,7 @@ def loaded_by(statement: str) -> set[str]:
                               timeout=120).stdout.split())
 
 
+@pytest.mark.floors
 def test_the_user_facing_imports_load_no_course_module_and_no_matplotlib():
     for statement in ("from minivllm import LLM", "from minivllm.entrypoints.openai.app import build_app"):
         loaded = loaded_by(statement)
@@ -125,6 +128,7 @@ def test_the_user_facing_imports_load_no_course_module_and_no_matplotlib():
         assert not wrong, f"{statement!r} loads {wrong[:8]}"
 
 
+@pytest.mark.floors
 def test_the_wire_types_load_no_engine():
     """A process that only decodes the frontend-core messages loads the request types, not the
     scheduler, the model runner or the model."""

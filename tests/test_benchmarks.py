@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 from tiny_models import run_script
 
 from minivllm.course.bench.peers import continuous_batching_unavailable
+
+pytestmark = pytest.mark.floors
 
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "continuous_vs_transformers.py"
 

@@ -8,7 +8,7 @@ from mask_asserts import assert_mask_equal
 from minivllm.attention.masks import causal_mask
 from minivllm.stages import naive
 
-pytestmark = pytest.mark.ch01
+pytestmark = [pytest.mark.ch01, pytest.mark.floors]
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [42], [3] * 25]
 

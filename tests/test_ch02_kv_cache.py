@@ -7,7 +7,7 @@ import torch
 from minivllm.stages import kv_cache
 from minivllm.stages.common import StageStats
 
-pytestmark = pytest.mark.ch02
+pytestmark = [pytest.mark.ch02, pytest.mark.floors]
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [42], [3] * 25]
 

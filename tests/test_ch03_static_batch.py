@@ -11,7 +11,7 @@ from minivllm.stages import static_batch
 from minivllm.stages.common import StageStats
 from tiny_models import random_prompts
 
-pytestmark = pytest.mark.ch03
+pytestmark = [pytest.mark.ch03, pytest.mark.floors]
 
 # Lengths far apart in one batch, one-token prompts, and per-prompt output lengths.
 PROMPT_LENS = [1, 37, 5, 1, 60, 12]

@@ -13,7 +13,7 @@ from minivllm.stages.common import StageStats
 from minivllm.stages.kv_cache import KVCache
 from tiny_models import raises_runtime_error, random_prompts, random_qkv, reference_attention
 
-pytestmark = pytest.mark.ch04
+pytestmark = [pytest.mark.ch04, pytest.mark.floors]
 
 PROMPT_LENS = [1, 37, 5, 1, 60, 12]
 OUTPUT_LENS = [4, 1, 6, 3, 2, 5]

@@ -13,7 +13,7 @@ from minivllm.stages.kv_cache import KVCache
 from minivllm.stages.ragged_batch import Segment
 from tiny_models import random_prompts, random_qkv, reference_attention
 
-pytestmark = pytest.mark.ch05
+pytestmark = [pytest.mark.ch05, pytest.mark.floors]
 
 # Prompt 1 is many chunks long at every chunk size below; prompt 0 has one token.
 PROMPT_LENS = [1, 45, 9, 30]

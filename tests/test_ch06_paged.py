@@ -17,7 +17,7 @@ from minivllm.core.block_manager import BlockManager
 from minivllm.stages import paged
 from minivllm.stages.common import StageStats
 
-pytestmark = pytest.mark.ch06
+pytestmark = [pytest.mark.ch06, pytest.mark.floors]
 
 # p + n - 1 (the most tokens each cache holds) is 12, 9, 32, 32, 32: with 16-token blocks the
 # last three fill exactly two blocks; a prompt of 1 token; a request that is all prefill.

@@ -15,7 +15,7 @@ from minivllm.core.trace import Trace
 from minivllm.stages import STAGES
 from minivllm.stages.common import StageStats
 
-pytestmark = pytest.mark.ch07
+pytestmark = [pytest.mark.ch07, pytest.mark.floors]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # Starvation: 4-token blocks, a pool far smaller than the batch needs at once, a 24-token budget.

@@ -11,7 +11,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.worker.sampler import Sampler, filter_logits
 from minivllm.request.sequence import Sequence
 
-pytestmark = pytest.mark.ch07
+pytestmark = [pytest.mark.ch07, pytest.mark.floors]
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.3, 0.0, -0.5, -1.0])
 DRAWS = 20_000

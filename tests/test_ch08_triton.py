@@ -19,7 +19,7 @@ from minivllm.attention.paged import KVPool, PagedAttention, PagedBatch, paged_d
 from tiny_models import reference_attention, unspecialised
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.ch08
+pytestmark = [pytest.mark.ch08, pytest.mark.floors]
 
 CPU = torch.device("cpu")
 # (block_size, head_dim, query heads, kv heads): every block size, head dim and GQA ratio

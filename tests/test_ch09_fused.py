@@ -25,7 +25,7 @@ from minivllm.fused import check_fused_ops, fused_forward, merge_projections, ro
 from minivllm.model import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.ch09
+pytestmark = [pytest.mark.ch09, pytest.mark.floors]
 
 TIGHT = dict(atol=1e-5, rtol=1e-5)  # fp32: only the order of a sum's additions may differ
 HALF = dict(atol=2e-3, rtol=2e-3)  # fp16: a last-bit difference in rsqrt or exp may flip a rounding

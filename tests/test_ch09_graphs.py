@@ -23,7 +23,7 @@ from minivllm.worker.cuda_graphs import CudaGraph, EagerGraph, GraphRunner, buck
 from minivllm.worker.model_runner import ModelRunner
 from minivllm.worker.prepare import build_step_arrays
 
-pytestmark = pytest.mark.ch09
+pytestmark = [pytest.mark.ch09, pytest.mark.floors]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 ON_GPU = torch.cuda.is_available()

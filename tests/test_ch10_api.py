@@ -25,7 +25,7 @@ from minivllm.worker.sampler import Sampler, apply_min_p
 from minivllm.request.sampling_params import RequestOutputKind
 from minivllm.request.sequence import Sequence
 
-pytestmark = pytest.mark.ch10
+pytestmark = [pytest.mark.ch10, pytest.mark.floors]
 
 PROMPT = [5, 17, 33, 2, 60, 41, 8, 17, 33, 5, 90, 12]
 PROMPTS = random_prompts([9, 14, 6], seed=3)

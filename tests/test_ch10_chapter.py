@@ -15,7 +15,7 @@ from tiny_models import run_script
 from minivllm.course.bench.workloads import make_workload
 from minivllm.course.text import DEMO_PROMPT, encode_or_random
 
-pytestmark = pytest.mark.ch10
+pytestmark = [pytest.mark.ch10, pytest.mark.floors]
 
 SCRIPT = Path(__file__).parents[1] / "chapters" / "10_serving.py"
 LEVELS, REQUESTS, VOCAB = [1, 3], 4, 97  # the tiny checkpoint's vocabulary

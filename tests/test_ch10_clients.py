@@ -31,7 +31,7 @@ from minivllm.entrypoints.openai.auth import APIKeyMiddleware
 from minivllm.entrypoints.openai.responses import Echo
 from minivllm.entrypoints.openai.sse import Chunks, stream_events
 
-pytestmark = pytest.mark.ch10
+pytestmark = [pytest.mark.ch10, pytest.mark.floors]
 
 MODEL = "tiny-clients"
 ENGINE = dict(num_kv_blocks=256, max_num_seqs=64)

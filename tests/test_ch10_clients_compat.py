@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from minivllm import DEFAULT_MODEL, LLMEngine, load_tokenizer
 from minivllm.entrypoints.openai import threaded
 
-pytestmark = pytest.mark.ch10
+pytestmark = [pytest.mark.ch10, pytest.mark.floors]
 
 ENGINE = dict(num_kv_blocks=128, max_num_seqs=16)
 PROMPT = "def fibonacci(n):\n    "

@@ -28,7 +28,7 @@ from minivllm.request.outputs import CompletionOutput, RequestOutput
 from minivllm.core.trace import Trace
 from minivllm.entrypoints.openai.sse import DONE, Chunks, StreamState, new_deltas, sse, stream_events
 
-pytestmark = pytest.mark.ch10
+pytestmark = [pytest.mark.ch10, pytest.mark.floors]
 
 PROMPTS = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    def push(self, item):\n        self.",
            "for i in range("]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tiny_models import run_script
 
-pytestmark = pytest.mark.ch11
+pytestmark = [pytest.mark.ch11, pytest.mark.floors]
 
 SCRIPT = Path(__file__).parents[1] / "chapters" / "11_prefix_caching.py"
 PREFIX, REQUESTS, SWEEP_PROMPT, SWEEP_REQUESTS = 40, 4, 64, 3

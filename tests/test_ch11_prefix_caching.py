@@ -20,7 +20,7 @@ from minivllm.request.sequence import Sequence
 from minivllm.core.trace import Trace
 from tiny_models import random_prompts
 
-pytestmark = pytest.mark.ch11
+pytestmark = [pytest.mark.ch11, pytest.mark.floors]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

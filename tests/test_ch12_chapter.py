@@ -10,7 +10,7 @@ from tiny_models import run_script
 
 from minivllm.course.bench.speculation import pause_threshold
 
-pytestmark = pytest.mark.ch12
+pytestmark = [pytest.mark.ch12, pytest.mark.floors]
 
 SCRIPT = Path(__file__).parents[1] / "chapters" / "12_speculative_decoding.py"
 

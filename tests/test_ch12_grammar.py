@@ -14,7 +14,7 @@ from test_ch13_structured_outputs import CASES, PROMPTS, fits
 
 from minivllm import DRAFT_MODEL, LLM, SamplingParams, load_model, load_tokenizer
 
-pytestmark = pytest.mark.ch13  # chapter 13 under chapter 12: its checks need chapter 13's exercises
+pytestmark = [pytest.mark.ch13, pytest.mark.floors]  # chapter 13 under chapter 12: its checks need chapter 13's exercises
 
 pytest.importorskip("xgrammar")
 

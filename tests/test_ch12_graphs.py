@@ -22,7 +22,7 @@ from minivllm.worker.model_runner import ModelRunner
 from minivllm.worker.prepare import build_step_arrays
 from minivllm.core.spec_decode.draft_model import DraftModelProposer
 
-pytestmark = pytest.mark.ch12
+pytestmark = [pytest.mark.ch12, pytest.mark.floors]
 
 
 def graphed(engine: LLMEngine) -> LLMEngine:

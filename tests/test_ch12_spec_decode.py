@@ -23,7 +23,7 @@ from minivllm.core.spec_decode.rollback import rollback
 from minivllm.core.trace import Trace
 from tiny_models import random_prompts
 
-pytestmark = pytest.mark.ch12
+pytestmark = [pytest.mark.ch12, pytest.mark.floors]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tiny_models import run_script
 
-pytestmark = pytest.mark.ch13
+pytestmark = [pytest.mark.ch13, pytest.mark.floors]
 pytest.importorskip("xgrammar")
 pytest.importorskip("jsonschema")
 

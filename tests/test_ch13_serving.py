@@ -17,7 +17,7 @@ from minivllm import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from minivllm.structured_outputs import backend
 from minivllm.entrypoints.openai import threaded
 
-pytestmark = pytest.mark.ch13
+pytestmark = [pytest.mark.ch13, pytest.mark.floors]
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 

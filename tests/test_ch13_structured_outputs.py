@@ -30,7 +30,7 @@ from minivllm.structured_outputs.bitmask import apply_token_bitmask
 from minivllm.structured_outputs.matcher import advance_matcher
 from tiny_models import tiny_hf_model
 
-pytestmark = pytest.mark.ch13
+pytestmark = [pytest.mark.ch13, pytest.mark.floors]
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 

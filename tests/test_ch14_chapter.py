@@ -17,7 +17,7 @@ from minivllm.course.bench.tp_cost import (GPU, LINKS, Link, Shape, allreduce_by
                                     copies_step, decode_step, model_shapes, ring_allreduce_seconds, speedup_grid)
 from minivllm.loader import CONFIGS, read_config
 
-pytestmark = pytest.mark.ch14
+pytestmark = [pytest.mark.ch14, pytest.mark.floors]
 
 SCRIPT = Path(__file__).parents[1] / "chapters" / "14_tensor_parallelism.py"
 SIZES, REQUESTS, PROMPT, OUTPUT = (1, 2, 4), 3, 6, 5

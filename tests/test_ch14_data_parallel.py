@@ -24,7 +24,7 @@ from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.engine.data_parallel import choose_core, prompt_blocks
 from minivllm.engine.async_llm import AsyncLLM
 
-pytestmark = pytest.mark.ch14
+pytestmark = [pytest.mark.ch14, pytest.mark.floors]
 PROMPTS = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    def push(self, item):", "x = [",
            "def add(a, b):\n    ", "for i in range(10):\n    ", "# a comment"]
 GREEDY = dict(temperature=0.0, ignore_eos=True)

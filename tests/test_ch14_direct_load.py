@@ -28,7 +28,7 @@ from minivllm.distributed.shard import shard_decoder
 from minivllm.loader import open_weights
 from minivllm.model import Decoder
 
-pytestmark = pytest.mark.ch14
+pytestmark = [pytest.mark.ch14, pytest.mark.floors]
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 # ~67 MB of fp32 weights: big enough that the weights, not torch's own libraries, decide the peak.

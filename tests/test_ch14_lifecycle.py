@@ -25,7 +25,7 @@ from tiny_models import random_prompts
 from minivllm import LLM, SamplingParams
 from minivllm.executor.group import free_port
 
-pytestmark = pytest.mark.ch14
+pytestmark = [pytest.mark.ch14, pytest.mark.floors]
 
 ROOT = Path(__file__).parents[1]
 RAISE_SECONDS = 15  # a dead worker becomes an error within this

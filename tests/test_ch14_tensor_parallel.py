@@ -40,7 +40,7 @@ from minivllm.worker.prepare import build_step_arrays
 from minivllm.core.trace import Trace
 from minivllm.entrypoints.openai import threaded
 
-pytestmark = pytest.mark.ch14
+pytestmark = [pytest.mark.ch14, pytest.mark.floors]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 STARVED = dict(block_size=4, num_kv_blocks=12, max_num_batched_tokens=12, max_num_seqs=4, enable_prefix_caching=True)

@@ -35,7 +35,7 @@ from minivllm.engine.output_processor import CompletionState, new_delta
 from minivllm.request.sampling_params import RequestOutputKind
 from minivllm.structured_outputs import StructuredOutputsParams
 
-pytestmark = pytest.mark.ch15
+pytestmark = [pytest.mark.ch15, pytest.mark.floors]
 PROMPTS = ["import os\n\ndef list_files(path):\n    return", "class Stack:\n    def push(self, item):", "x = [",
            "def add(a, b):\n    "]
 GREEDY = dict(temperature=0.0, ignore_eos=True)

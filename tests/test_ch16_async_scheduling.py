@@ -14,7 +14,7 @@ from minivllm.config.engine import EngineConfig
 from minivllm.request.sampling_params import RequestOutputKind
 from minivllm.core.trace import Trace
 
-pytestmark = [pytest.mark.ch16, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ch16, pytest.mark.timeout(240), pytest.mark.floors]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 STARVED = dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=24)  # chunked prefill and preemption

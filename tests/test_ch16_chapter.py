@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.ch16, pytest.mark.timeout(240)]
 SCRIPT = Path(__file__).parents[1] / "chapters" / "16_async_scheduling.py"
 
 
+@pytest.mark.floors
 def test_the_chapter_script_runs_and_measures_both_engines(tiny_checkpoint, tmp_path):
     args = ["--model", str(tiny_checkpoint), "--device", "cpu", "--batch-size", "8", "--context", "40", "--steps", "6",
             "--device-ms", "1,3"]

@@ -18,7 +18,7 @@ from minivllm.worker.model_runner import ModelRunner
 from minivllm.worker.prepare import build_step_arrays
 from minivllm.request.sequence import Status
 
-pytestmark = [pytest.mark.ch16, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ch16, pytest.mark.timeout(240), pytest.mark.floors]
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "query_start", "context_lens", "block_tables", "sample_rows")
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minivllm import DEFAULT_MODEL
 
+pytestmark = pytest.mark.floors
+
 # A maintainer's tool, not part of the library: loaded from its file.
 measure = runpy.run_path(str(Path(__file__).parents[1] / "tools" / "bits_per_byte.py"))["measure"]
 

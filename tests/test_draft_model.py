@@ -19,6 +19,8 @@ import minivllm
 from minivllm import DEFAULT_MODEL, DRAFT_MODEL
 from minivllm.stages.naive import CausalAttention
 
+pytestmark = pytest.mark.floors
+
 MAX_FILE_BYTES = 16 * 1024 * 1024  # keeps every file under common git-host limits
 EXPECTED_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json", "training_log.json"}

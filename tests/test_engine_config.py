@@ -11,7 +11,7 @@ import torch
 from minivllm import EngineConfig, LLMEngine
 from minivllm.config import engine as engine_config
 
-pytestmark = pytest.mark.ch07
+pytestmark = [pytest.mark.ch07, pytest.mark.floors]
 
 
 def on_cuda(model) -> SimpleNamespace:

@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 
 import pytest
+from collection import ALL_ITEMS, files_with_chapters
 
 from minivllm.course import exercises
 from minivllm.course.exercises import EXERCISES, NOTEBOOKS, Exercise, find_regions, make_student_copy, stub_source
@@ -250,6 +251,7 @@ def test_make_refuses_the_repository_and_non_empty_folders(tmp_path):
         make_student_copy(tmp_path / "new", chapters=["ch9"])
 
 
+@pytest.mark.floors
 def test_exercises_list_prints_every_exercise(capsys, monkeypatch):
     from minivllm.entrypoints.cli import main
 
@@ -274,8 +276,9 @@ def test_a_stub_of_another_chapter_names_the_exercise_to_do_first():
 CHEAP_CHAPTERS = ["ch01", "ch02"]
 
 
+@pytest.mark.floors
 @solutions
-def test_student_copy_fails_its_chapter_checks(tmp_path):
+def test_student_copy_fails_its_chapter_checks(tmp_path, request):
     """Generate the student copy and run chapters 1 and 2's checks inside it: they must fail,
     on the stubs (the main suite runs the same checks on the solution, where they pass)."""
     copy = tmp_path / "student"
@@ -289,8 +292,10 @@ def test_student_copy_fails_its_chapter_checks(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
     marker = " or ".join(CHEAP_CHAPTERS)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider"],
-                            cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    # only the files holding their checks, as this session collected them (tests/collection.py)
+    files = files_with_chapters(request.config.stash[ALL_ITEMS], set(CHEAP_CHAPTERS)) or ["tests"]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider",
+                             *files], cwd=copy, env=env, capture_output=True, text=True, timeout=600)
     out = result.stdout + result.stderr
     assert result.returncode == 1, f"the student copy's {marker} checks should fail:\n{out[-3000:]}"
     for ex in EXERCISES:
@@ -345,11 +350,12 @@ def check_outcomes(report) -> list[tuple[str, list[str], str | None]]:
     return found
 
 
+@pytest.mark.floors
 @solutions
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter):
+def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter, request):
     """With `chapter` and every later chapter stubbed (earlier ones solved): the previous
     chapter's checks all pass, so none of them needs a later exercise; and every check of
     `chapter` that fails names one of this chapter's exercises. Run over every chapter, this is
@@ -362,8 +368,13 @@ def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter):
     report = copy / f"report-{chapter}.xml"
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
     marker = f"{before} or {chapter}" if before else chapter
+    # Only the files that hold these chapters' checks, as this session collected them: the run
+    # selects the same checks, without importing and collecting the whole suite for each chapter
+    # (about half the work of an early chapter's run).
+    files = files_with_chapters(request.config.stash[ALL_ITEMS], {before, chapter} - {None}) or ["tests"]
     result = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "--tb=line", "-p", "no:cacheprovider",
-                             f"--junitxml={report}"], cwd=copy, env=env, capture_output=True, text=True, timeout=1100)
+                             f"--junitxml={report}", *files], cwd=copy, env=env, capture_output=True, text=True,
+                            timeout=1100)
     outcomes = check_outcomes(report) if report.is_file() else []
     assert outcomes, f"no checks ran for -m '{marker}':\n{(result.stdout + result.stderr)[-3000:]}"
     broken = [(test, text) for test, chapters, text in outcomes if before in chapters and text is not None]
@@ -385,6 +396,7 @@ assert len(out[0].outputs[0].token_ids) == 8, out
 """
 
 
+@pytest.mark.floors
 @solutions
 @pytest.mark.slow
 @pytest.mark.timeout(900)

@@ -17,7 +17,7 @@ from tiny_models import random_prompts
 from minivllm import LLM, SamplingParams, load_model, load_tokenizer
 from minivllm.stages import STAGES
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.floors]
 
 PROMPTS = random_prompts([5, 17, 33, 9, 60, 24, 41, 12])
 LENGTHS = [12, 7, 20, 16, 5, 11, 18, 9]

@@ -37,6 +37,7 @@ def load_runbook():
     return module
 
 
+@pytest.mark.floors
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_dry_run_goes_through_every_part(tiny_checkpoint, tmp_path):
@@ -105,6 +106,7 @@ def test_a_part_killed_at_its_limit_still_reports_the_rows_it_saved(tmp_path):
         raise AssertionError("the part's helper process outlived it")
 
 
+@pytest.mark.floors
 def test_the_budget_stops_the_parts_that_no_longer_fit(tmp_path):
     out = tmp_path / "run"
     done = runbook("--out", str(out), "--device", "cpu", "--parts", "smoke,tour", "--budget", "3", timeout=120)

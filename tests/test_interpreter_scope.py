@@ -47,6 +47,7 @@ def test_the_kernels_of_this_process_are_the_kind_it_chose():
         assert importlib.import_module(name).INTERPRETED == INTERPRETER, name
 
 
+@pytest.mark.floors
 @pytest.mark.skipif(INTERPRETER, reason="this process interprets: the interpreter checks run in it")
 def test_the_interpreter_checks_pass_in_a_process_of_their_own():
     """On a GPU machine this process compiles kernels; the interpreter checks run next door."""

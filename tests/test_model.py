@@ -12,6 +12,8 @@ import transformers
 import minivllm
 from minivllm.stages.naive import CausalAttention
 
+pytestmark = pytest.mark.floors
+
 
 def logits_of(model: minivllm.Decoder, ids: torch.Tensor) -> torch.Tensor:
     hidden = model(ids, torch.arange(len(ids)), CausalAttention(len(ids), model.device))

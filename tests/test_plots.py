@@ -67,6 +67,7 @@ def test_timeline_marks_each_preemption():
     assert any("preempted (2×)" in t.get_text() for t in ax.get_legend().get_texts())
 
 
+@pytest.mark.floors
 def test_chapter_7_timeline_run_has_preemptions(monkeypatch, tmp_path):
     """The settings of chapter 7's traced run make the scheduler preempt (the chapter's hardest
     idea must be in its picture), whatever the machine's speed: arrivals are counted in steps."""

@@ -20,7 +20,7 @@ from minivllm.engine.llm_engine import STEP_PHASES
 from minivllm.model import Decoder
 from minivllm.course.plots.profile import plot_step_breakdown, plot_step_timeline
 
-pytestmark = pytest.mark.ch09
+pytestmark = [pytest.mark.ch09, pytest.mark.floors]
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "step_profile.py"
 
 SMALL = dict(batch_size=3, context=20, steps=2, warmup=1)

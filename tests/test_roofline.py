@@ -20,7 +20,7 @@ from minivllm.course.bench.workloads import Workload, make_workload, warmup_work
 from minivllm.loader import CONFIGS, read_config
 from minivllm.model import Decoder
 
-pytestmark = pytest.mark.ch09
+pytestmark = [pytest.mark.ch09, pytest.mark.floors]
 
 BENCHMARK = Path(__file__).parents[1] / "benchmarks" / "engine_roofline.py"
 

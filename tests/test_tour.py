@@ -11,6 +11,8 @@ from minivllm.course.bench.peers import continuous_batching_unavailable
 from minivllm.course.bench.tour import agreement
 from minivllm.entrypoints.cli import main
 
+pytestmark = pytest.mark.floors
+
 
 def test_tour_writes_json_and_figure(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # results and figures land in the temporary folder
