@@ -20,7 +20,7 @@ from minivllm.attention.masks import causal_mask
 from minivllm.worker.model_runner import ModelRunner
 from minivllm.worker.piecewise_graphs import AttentionSlot, EagerPieces, PiecewiseRunner, piece_token_sizes
 
-pytestmark = pytest.mark.ch09
+pytestmark = [pytest.mark.ch09, pytest.mark.floors]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 ON_GPU = torch.cuda.is_available()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tiny_models import run_script
 
-pytestmark = [pytest.mark.ch17, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ch17, pytest.mark.floors, pytest.mark.timeout(240)]
 
 SCRIPT = Path(__file__).parents[1] / "chapters" / "17_disaggregated_prefill.py"
 

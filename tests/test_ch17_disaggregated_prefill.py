@@ -20,7 +20,7 @@ from minivllm.kv_transfer.shared_storage import SharedStorageConnector, prefix_k
 from minivllm.request.sequence import Sequence
 from tiny_models import random_prompts
 
-pytestmark = pytest.mark.ch17
+pytestmark = [pytest.mark.ch17, pytest.mark.floors]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BLOCK = 4

@@ -18,7 +18,7 @@ from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.entrypoints.cli import build_parser
 from minivllm.entrypoints.disagg_proxy import build_proxy, prefill_body
 
-pytestmark = [pytest.mark.ch17, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ch17, pytest.mark.floors, pytest.mark.timeout(240)]
 
 PROMPTS = ["import os\n\ndef list_files(path):\n    return os.listdir(path)\n\n\ndef read_file(path):\n    with",
            "class Stack:\n    def push(self, item):\n        self."]

@@ -13,7 +13,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config.engine import EngineConfig
 from tiny_models import random_prompts
 
-pytestmark = [pytest.mark.ch17, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ch17, pytest.mark.floors, pytest.mark.timeout(240)]
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 BLOCK = 4

@@ -56,6 +56,7 @@ def test_step_composition_draws_one_bar_per_step():
     assert [b.get_y() for b in prefill_bars] == decode  # prefill stacked on the step's decodes
 
 
+@pytest.mark.floors
 def test_timeline_marks_each_preemption():
     grid = [[PREFILL, DECODE, PREEMPTED, WAITING, PREFILL, DECODE],
             [WAITING, PREFILL, DECODE, DECODE, PREEMPTED, WAITING]]
