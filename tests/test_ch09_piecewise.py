@@ -34,6 +34,7 @@ def test_piece_token_sizes():
     assert piece_token_sizes(512) == [16, 32, 64, 128, 256, 512]
     assert piece_token_sizes(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
     assert piece_token_sizes(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert piece_token_sizes(8192)[-2:] == [1792, 2048]  # larger steps run eagerly (MAX_PIECE_TOKENS)
     with pytest.raises(ValueError):
         piece_token_sizes(0)
 

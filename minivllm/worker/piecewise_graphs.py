@@ -9,7 +9,7 @@ only part of the forward that cares how tokens are grouped into sequences: every
 two attention calls is token-wise, and its shape is just "how many tokens".
 
 So the forward is cut at attention. For a bucket of N tokens (16, 32, ..., 512, then every 256
-up to the step's token budget), each stretch between two attention calls is captured as a graph
+up to the step's token budget or 2,048), each stretch between two attention calls is captured as a graph
 of its own, L + 1 pieces for L layers:
 
     piece 0: embed, layer 0 up to q, k, v  | attention 0 | piece 1: o_proj .. layer 1's q, k, v | ... | piece L: .. norm
@@ -56,14 +56,21 @@ from minivllm.model import Attention
 Forward = Callable[[torch.Tensor, torch.Tensor, Attention], torch.Tensor]
 
 
+# The largest step captured in pieces. Past it a step's matmuls take milliseconds (2,048 tokens of
+# Qwen3-0.6B: ~2.4 TFLOP) and its ~1,300 eager launches are a small share of them, while every bucket
+# costs L + 1 captures: larger token budgets (8,192 on a large GPU) run their largest steps eagerly.
+MAX_PIECE_TOKENS = 2048
+
+
 def piece_token_sizes(max_num_batched_tokens: int) -> list[int]:
     """The token counts to capture pieces for: 16, 32, 64, 128, 256, 512, then every 256 up to the
-    step's token budget (and the budget itself, if it is not such a size)."""
+    step's token budget (and the budget itself, if it is not such a size), at most MAX_PIECE_TOKENS."""
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
-    sizes = [s for s in (16, 32, 64, 128, 256, 512) if s < max_num_batched_tokens]
-    sizes += range(768, max_num_batched_tokens, 256)
-    return sizes + [max_num_batched_tokens]
+    largest = min(max_num_batched_tokens, MAX_PIECE_TOKENS)
+    sizes = [s for s in (16, 32, 64, 128, 256, 512) if s < largest]
+    sizes += range(768, largest, 256)
+    return sizes + [largest]
 
 
 @dataclass
