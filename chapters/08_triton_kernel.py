@@ -31,7 +31,6 @@ Head layout: Qwen3-0.6B's (16 query heads, 8 KV heads, head_dim 128), bf16 on th
 """
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
@@ -40,6 +39,7 @@ import torch
 from minivllm.course.bench.harness import chapter_parser, console, format_bytes
 from minivllm.course.bench.kernels import (BLOCK_SIZE, H100_SMS, HEAD_DIM, HEADS, KV_HEADS, TARGET, benchmark, decode_args,
                                     make_decode_problem, one_layer_pool, reference_decode, uneven_benchmark)
+from minivllm.triton_support import use_interpreter
 
 # ------------------------------------------------------------------------------------------
 # 1. Narrate
@@ -153,8 +153,7 @@ def main() -> None:
     if args.only_uneven and device.type != "cuda":
         parser.error("--only-uneven times kernels: it needs --device cuda")
     if device.type == "cpu":
-        # Must happen before the kernels are defined: Triton decides at @triton.jit time.
-        os.environ["TRITON_INTERPRET"] = "1"
+        use_interpreter()  # before anything imports Triton: it decides when its own library is defined
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if device.type == "cpu" and dtype == torch.bfloat16:
         parser.error("Triton's interpreter computes bfloat16 matmuls wrongly; use --dtype float32 on the CPU")

@@ -72,6 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.triton_support import built_for_interpreter
+
 # ------------------------------------------------------------------------------------------
 # The exercise: merging partial softmaxes, in plain PyTorch
 # ------------------------------------------------------------------------------------------
@@ -582,4 +584,5 @@ def paged_prefill(
 
 # Whether Triton built the kernels above for its CPU interpreter (TRITON_INTERPRET=1 at import
 # time) rather than for a GPU: interpreted kernels run on CPU tensors, compiled ones need CUDA.
-INTERPRETED = not isinstance(_store_kv_kernel, triton.runtime.JITFunction)
+# (A RuntimeError here if Triton's own library was built for the other: the variable came too late.)
+INTERPRETED = built_for_interpreter(_store_kv_kernel)

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.triton_support import built_for_interpreter
+
 
 def _num_warps(block: int) -> int:
     """Warps for a program that holds `block` elements: about 8 elements per thread."""
@@ -257,4 +259,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 # Whether Triton built the kernels above for its CPU interpreter (TRITON_INTERPRET=1 at import
 # time) rather than for a GPU: interpreted kernels run on CPU tensors, compiled ones need CUDA.
-INTERPRETED = not isinstance(_rms_norm_kernel, triton.runtime.JITFunction)
+# (A RuntimeError here if Triton's own library was built for the other: the variable came too late.)
+INTERPRETED = built_for_interpreter(_rms_norm_kernel)

@@ -6,7 +6,6 @@ a sample of requests. Writes a rich table, JSON under benchmarks/results/, and a
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +35,7 @@ from minivllm.machine import environment
 from minivllm.model import Decoder
 from minivllm.stages import ENGINES, STAGES
 from minivllm.stages.common import StageStats
+from minivllm.triton_support import use_interpreter
 
 # On a large workload (nano: ~140k output tokens) the stages that serve one request, or one
 # fixed-size group, after another would take hours; their rate does not depend on how many
@@ -140,13 +140,13 @@ def run_tour(
         source = CONFIGS / GPU_DEFAULT_MODEL  # the embedded 4M model would measure only launch overhead
     workload = workload or (GPU_DEFAULT_WORKLOAD if on_gpu else "classroom")
     dtype = dtype or (GPU_DEFAULT_DTYPE if on_gpu else None)
-    model = load_model(source, device=device, dtype=dtype)
     stages = stages or list(STAGES)
-    if "triton" in stages and model.device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are first imported
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ValueError(f"unknown stages {unknown}; available: {', '.join(STAGES)}")
+    if "triton" in stages and torch.device(device or default_device()).type == "cpu":
+        use_interpreter()  # before the model is loaded: loading imports Triton, which decides then
+    model = load_model(source, device=device, dtype=dtype)
     work = make_workload(workload, model.config.vocab_size, seed=seed, num_requests=num_requests)
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
     if longest > model.config.max_position_embeddings:
