@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -53,5 +54,49 @@ def test_the_interpreter_checks_pass_in_a_process_of_their_own():
     """On a GPU machine this process compiles kernels; the interpreter checks run next door."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *INTERPRETER_CHECKS],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+# Triton builds its own library (tl.sum, tl.max, tl.cdiv, ...) when it is imported, so every way into
+# the interpreter must choose before then: Triton 3.2 to 3.9 alike, interpreted kernels on a library
+# built for the GPU stop inside the interpreter with "Cannot call @triton.jit'd outside of the scope of
+# a kernel". These checks run in fresh processes without TRITON_INTERPRET, as a user's would start.
+def fresh_process_environment() -> dict[str, str]:
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+def run_fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=fresh_process_environment(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_asking_for_the_interpreter_after_triton_was_imported_says_what_to_set_and_before_what():
+    done = run_fresh("import triton\nfrom minivllm.triton_support import use_interpreter\nuse_interpreter()")
+    assert done.returncode != 0, "use_interpreter() accepted a Triton already imported without the interpreter"
+    assert "RuntimeError" in done.stderr and "TRITON_INTERPRET=1 before anything imports Triton" in done.stderr, \
+        done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module", ["minivllm.attention.triton_kernels", "minivllm.fused.kernels"])
+def test_kernels_interpreted_over_a_triton_imported_without_it_refuse_on_import(module):
+    """What a script or notebook does when it sets the variable too late: the error names the fix,
+    instead of an InterpreterError from the first kernel launch."""
+    done = run_fresh(f"import os, triton\nos.environ['TRITON_INTERPRET'] = '1'\nimport {module}")
+    assert done.returncode != 0, f"{module} imported interpreted kernels over a library compiled for the GPU"
+    assert "RuntimeError: TRITON_INTERPRET=1 was set after Triton was imported" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow  # about 30 s of CPU (the interpreter), more on a busy machine
+def test_the_tour_interprets_its_triton_stage_on_a_cpu_without_being_told(tiny_checkpoint, tmp_path):
+    """The README's main job as a user runs it: loading the model imports Triton (through torch's
+    compiler), so the tour must choose the interpreter before it loads anything."""
+    done = subprocess.run([sys.executable, "-m", "minivllm.entrypoints.cli", "tour", "--model", str(tiny_checkpoint),
+                           "--workload", "tiny", "--requests", "2", "--check", "2", "--stages", "triton", "--no-peers",
+                           "--device", "cpu"], check=False, cwd=tmp_path, env=fresh_process_environment(),
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "benchmarks/results/tour_cpu_tiny.json").read_text())["rows"]
+    assert [(row["name"], row["agrees"]) for row in rows] == [("triton", "✓")]
