@@ -85,6 +85,9 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch):
     # The models are tiny: one thread is as fast as two, and much faster on a busy machine.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    # As a student's kernel starts: without the interpreter this pytest process chose (conftest.INTERPRETER),
+    # so a notebook that uses Triton must choose it itself, before anything imports Triton.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     before = sorted(p.name for p in NOTEBOOK_DIR.iterdir())
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
