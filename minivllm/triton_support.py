@@ -67,10 +67,10 @@ def built_for_interpreter(kernel: object) -> bool:
 
 
 def import_kernels(module: str, switch: str, off: str, device: torch.device, dtype: torch.dtype) -> ModuleType:
-    """The kernel module `module` (its dotted name; it sets INTERPRETED with built_for_interpreter
-    and raises its RuntimeError on import where the choice came too late), if Triton can run it on `dtype` tensors on `device`. Otherwise a
-    RuntimeError naming `switch`, the setting that asked for the kernels (e.g. "attention='triton'"),
-    and `off`, the one that does without them (e.g. "attention='torch'")."""
+    """The kernel module `module` (its dotted name; it sets INTERPRETED with built_for_interpreter,
+    whose RuntimeError passes through), if Triton can run it on `dtype` tensors on `device`.
+    Otherwise a RuntimeError naming `switch`, the setting that asked for the kernels (e.g.
+    "attention='triton'"), and `off`, the one that does without them (e.g. "attention='torch'")."""
     try:
         kernels = importlib.import_module(module)
     except ImportError as error:
