@@ -73,6 +73,7 @@ def run_fresh(code: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.floors
 def test_asking_for_the_interpreter_after_triton_was_imported_says_what_to_set_and_before_what():
     done = run_fresh("import triton\nfrom minivllm.triton_support import use_interpreter\nuse_interpreter()")
     assert done.returncode != 0, "use_interpreter() accepted a Triton already imported without the interpreter"
@@ -80,6 +81,7 @@ def test_asking_for_the_interpreter_after_triton_was_imported_says_what_to_set_a
         done.stderr[-2000:]
 
 
+@pytest.mark.floors
 @pytest.mark.parametrize("module", ["minivllm.attention.triton_kernels", "minivllm.fused.kernels"])
 def test_kernels_interpreted_over_a_triton_imported_without_it_refuse_on_import(module):
     """What a script or notebook does when it sets the variable too late: the error names the fix,
@@ -89,6 +91,7 @@ def test_kernels_interpreted_over_a_triton_imported_without_it_refuse_on_import(
     assert "RuntimeError: TRITON_INTERPRET=1 was set after Triton was imported" in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.floors
 @pytest.mark.slow  # about 30 s of CPU (the interpreter), more on a busy machine
 def test_the_tour_interprets_its_triton_stage_on_a_cpu_without_being_told(tiny_checkpoint, tmp_path):
     """The README's main job as a user runs it: loading the model imports Triton (through torch's
