@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 import os
 import sys
-from functools import cache
+from types import CodeType
 
 MAIN_GUARD_ERROR = (
     'minivllm starts its processes with "spawn", and each new process first runs your script again; this '
@@ -38,7 +38,7 @@ def refuse_unguarded_start() -> None:
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>" and _same_file(frame.f_code.co_filename, script)):
         frame = frame.f_back
-    if frame is not None and not _guarded(script, frame.f_lineno):
+    if frame is not None and not _guarded(script, frame.f_code, frame.f_lineno):
         raise RuntimeError(MAIN_GUARD_ERROR)
 
 
@@ -60,11 +60,15 @@ def _same_file(a: str, b: str) -> bool:
     return os.path.abspath(a) == os.path.abspath(b)
 
 
-@cache
-def _guarded(script: str, line: int) -> bool:
-    """Whether `line` of `script` lies inside an `if __name__ == "__main__":` block (at any depth)."""
+def _guarded(script: str, running: CodeType, line: int) -> bool:
+    """Whether `line` of `script` lies inside an `if __name__ == "__main__":` block (at any depth).
+    `running` is the script's code as it was loaded: if the file has changed since (edited while
+    it runs), its lines may have moved, and the check gives the benefit of the doubt."""
     with open(script, encoding="utf-8") as file:
         tree = ast.parse(file.read(), script)
+    loaded = compile(tree, script, "exec", dont_inherit=True)
+    if (loaded.co_code, list(loaded.co_lines())) != (running.co_code, list(running.co_lines())):
+        return True
     return any(isinstance(node, ast.If) and _is_main_test(node.test)
                and node.body[0].lineno <= line <= node.body[-1].end_lineno for node in ast.walk(tree))
 
