@@ -68,7 +68,8 @@ class EngineCore:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         manager = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
         self.block_manager = manager(config.num_kv_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.long_prefill_token_threshold)
         if config.tensor_parallel_size > 1:  # chapter 14: rank 0's runner, which also drives the other ranks
             from minivllm.executor.tensor_parallel import TensorParallelRunner
 
