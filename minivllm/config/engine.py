@@ -6,6 +6,8 @@ this model on this device"; `resolve(model)` makes every such choice, so that th
 engine (block manager, scheduler, model runner) only ever see decided values:
 
     setting                 None means                                   chapter
+    max_num_batched_tokens  by the device, the table below                7
+    max_num_seqs            by the device, the table below                7
     num_kv_blocks           what the memory budget holds                 6
     max_model_len           the model's context                          7
     attention               "triton" on a GPU with Triton, else "torch"  6, 8
@@ -20,6 +22,22 @@ engine (block manager, scheduler, model runner) only ever see decided values:
     async_scheduling        on on a GPU (one process), off on a CPU      16
     persistent_batch        on: block tables kept in rows across steps   16
     kv_transfer_config      off (None); a dict as vLLM's                 17
+    long_prefill_token_threshold  (0: off) most prompt tokens one request gets per step   7
+
+The step's token budget and the number of requests running at once, by device, when the user
+gives none (vLLM's table, EngineArgs.get_batch_defaults; vLLM has a second column for its
+offline LLM class, shown in brackets, where minivllm uses its server's values everywhere):
+
+    device                                        max_num_batched_tokens   max_num_seqs
+    GPU with >= 70 GiB, not an A100 (H100, H200)  8,192  (LLM: 16,384)     1,024
+    other GPUs (A100s included: a larger budget
+      cost them throughput, vLLM PR #17885)       2,048  (LLM: 8,192)        256
+    CPU                                           2,048  (vLLM: 2,048 x ranks, LLM 4,096)   256  (vLLM: 128, LLM 256)
+
+A bigger budget on a big GPU is a first token sooner for a burst of users: 128 prompts of ~275
+tokens need ~18 steps at 2,048 tokens each and ~5 at 8,192, at a cost a fast GPU hardly notices
+per step. On a CPU every prompt token costs its share of the step, and 2,048 is what this course's
+CPU numbers were measured with.
 """
 from __future__ import annotations
 
@@ -98,6 +116,15 @@ def default_attention(device: torch.device) -> str:
     return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
 
 
+def default_batch_limits(device: torch.device) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) for `device`, by the table in the module doc."""
+    if device.type == "cuda" and torch.cuda.is_available():  # (a stand-in "cuda" model in a CPU check: the small row)
+        properties = torch.cuda.get_device_properties(device)
+        if properties.total_memory >= 70 * 2**30 and "a100" not in properties.name.lower():
+            return 8192, 1024
+    return 2048, 256
+
+
 def kv_blocks_for_memory(model: Decoder, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
     """How many KV blocks the memory budget holds (never more than max_num_seqs full-length
     sequences could use)."""
@@ -117,8 +144,8 @@ class EngineConfig:
 
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks in the KV pool
-    max_num_batched_tokens: int = 2048  # the token budget of one step
-    max_num_seqs: int = 256  # requests running side by side
+    max_num_batched_tokens: int | None = None  # the token budget of one step (None: by the device)
+    max_num_seqs: int | None = None  # requests running side by side (None: by the device)
     max_model_len: int | None = None  # the longest sequence, prompt and output together
     attention: str | None = None  # how paged attention reads the cache: "torch" or "triton"
     cuda_graphs: bool | None = None  # replay decode steps from CUDA graphs (CUDA only)
@@ -132,10 +159,12 @@ class EngineConfig:
     async_scheduling: bool | None = None  # chapter 16: plan step N+1 while step N runs on the device
     persistent_batch: bool | None = None  # chapter 16: block tables in rows kept across steps
     kv_transfer_config: dict | KVTransferConfig | None = None  # chapter 17: K/V to or from another instance
+    long_prefill_token_threshold: int = 0  # most prompt tokens one request gets in a step (0: no cap)
 
     def __post_init__(self) -> None:
         for name, minimum, allow_none in (("block_size", 1, False), ("num_kv_blocks", 1, True),
-                                          ("max_num_batched_tokens", 1, False), ("max_num_seqs", 1, False),
+                                          ("max_num_batched_tokens", 1, True), ("max_num_seqs", 1, True),
+                                          ("long_prefill_token_threshold", 0, False),
                                           ("max_model_len", 2, True), ("tensor_parallel_size", 1, False),
                                           ("data_parallel_size", 1, False)):
             check_setting(name, getattr(self, name), minimum, allow_none)
@@ -181,6 +210,9 @@ class EngineConfig:
         if not 1 < max_model_len <= context:
             raise ValueError(f"max_model_len must be in [2, {context}] (the model's context), got {max_model_len}")
         on_gpu = model.device.type == "cuda"
+        default_tokens, default_seqs = default_batch_limits(model.device)
+        max_num_batched_tokens = self.max_num_batched_tokens or default_tokens  # the user's value wins
+        max_num_seqs = self.max_num_seqs or default_seqs
         if self.tensor_parallel_size > 1:  # chapter 14: the model must split evenly, one GPU per rank
             from minivllm.distributed.shard import check_shardable
 
@@ -198,11 +230,11 @@ class EngineConfig:
         if cuda_graphs and attention == "torch":
             # A graph fixes every shape at capture, so chapter 6's decode would gather the longest
             # context the engine allows for every row of the largest batch, in every layer.
-            gathered = self.max_num_seqs * max_model_len * model.config.kv_bytes_per_token(model.dtype)
+            gathered = max_num_seqs * max_model_len * model.config.kv_bytes_per_token(model.dtype)
             gathered //= model.config.num_layers
             raise ValueError(
                 f"cuda_graphs=True needs attention='triton': inside a captured graph attention='torch' gathers "
-                f"max_model_len={max_model_len:,} tokens of K and V for each of max_num_seqs={self.max_num_seqs} rows, "
+                f"max_model_len={max_model_len:,} tokens of K and V for each of max_num_seqs={max_num_seqs} rows, "
                 f"{gathered / 2**30:,.1f} GiB per layer. Use attention='triton' (the default on a GPU) or cuda_graphs=False.")
         if self.piecewise_graphs and not cuda_graphs:
             raise ValueError("piecewise_graphs=True needs cuda_graphs: the pieces share the decode graphs' memory pool "
@@ -224,11 +256,13 @@ class EngineConfig:
         persistent_batch = PERSISTENT_BATCH_DEFAULT if self.persistent_batch is None else self.persistent_batch
         num_kv_blocks = self.num_kv_blocks
         if num_kv_blocks is None:
-            num_kv_blocks = kv_blocks_for_memory(model, self.block_size, self.max_num_seqs, max_model_len)
+            num_kv_blocks = kv_blocks_for_memory(model, self.block_size, max_num_seqs, max_model_len)
             mib = num_kv_blocks * self.block_size * model.config.kv_bytes_per_token(model.dtype) / 2**20
             log.info("KV cache: %s blocks × %d tokens = %s tokens, %s MiB on %s", f"{num_kv_blocks:,}",
                      self.block_size, f"{num_kv_blocks * self.block_size:,}", f"{mib:,.0f}", model.device)
-        return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, attention=attention,
-                                   cuda_graphs=cuda_graphs, piecewise_graphs=piecewise_graphs, fused_ops=fused_ops, enable_prefix_caching=prefix_caching,
+        return dataclasses.replace(self, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                   num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, attention=attention,
+                                   cuda_graphs=cuda_graphs, piecewise_graphs=piecewise_graphs, fused_ops=fused_ops,
+                                   enable_prefix_caching=prefix_caching,
                                    disable_any_whitespace=no_whitespace, async_scheduling=async_scheduling,
                                    persistent_batch=persistent_batch)

@@ -72,7 +72,7 @@ class EngineCore:
         # Chapter 17: K/V to or from another instance (None without a kv_transfer_config).
         self.connector = make_connector(config, model, KVConnectorRole.SCHEDULER)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.connector)
+                                   self.connector, config.long_prefill_token_threshold)
         if config.tensor_parallel_size > 1:  # chapter 14: rank 0's runner, which also drives the other ranks
             from minivllm.executor.tensor_parallel import TensorParallelRunner
 

@@ -19,6 +19,13 @@ catch up with the first (the design of vLLM V1's scheduler):
 
 Finished requests leave the batch the step they finish; new ones join the step they arrive.
 
+A burst of long prompts (vLLM's `long_prefill_token_threshold`): first come, first served lets the
+first prompts of a burst take the whole budget, step after step, while the short ones behind them
+wait for their first token. With a threshold T > 0 a request still in its prompt gets at most T
+of its prompt tokens per step (`wanted`), so the budget is shared by max_num_batched_tokens / T
+newcomers at once. Chunked prefill is exact, so the tokens generated do not change; only when
+each request's prompt is done does.
+
 Chapter 13: a request whose grammar is still compiling waits *beside* the queue, in
 `waiting_for_grammar`, so nobody waits for it; once compiled it joins the queue at the place its
 arrival time gives it (`admit_compiled`, at the start of every schedule).
@@ -34,12 +41,14 @@ from minivllm.request.sequence import SchedulerOutput, Sequence, Status
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 connector: KVConnectorBase | None = None):
-        """connector: chapter 17's KV connector, scheduler side (None: all K/V are computed here)."""
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+                 connector: KVConnectorBase | None = None, long_prefill_token_threshold: int = 0):
+        """connector: chapter 17's KV connector, scheduler side (None: all K/V are computed here).
+        long_prefill_token_threshold: most prompt tokens one request gets in a step (0: no cap)."""
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or long_prefill_token_threshold < 0:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1, long_prefill_token_threshold >= 0")
         self.block_manager, self.connector = block_manager, connector
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in the order they were admitted: the last is the newest
         self.waiting_for_grammar: list[Sequence] = []  # chapter 13: not schedulable until compiled
@@ -49,6 +58,15 @@ class Scheduler:
             self.waiting_for_grammar.append(seq)
         else:
             self.waiting.append(seq)
+
+    def wanted(self, seq: Sequence) -> int:
+        """The tokens `seq` would compute this step if the budget allowed: all it has not
+        computed, but at most long_prefill_token_threshold (when > 0) while it is in its prompt."""
+        n = seq.num_tokens - seq.num_computed_tokens
+        cap = self.long_prefill_token_threshold
+        if cap and seq.num_computed_tokens < seq.num_prompt_tokens:
+            return min(n, cap)
+        return n
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_grammar)
@@ -67,7 +85,7 @@ class Scheduler:
         self.max_num_batched_tokens tokens, preempting when KV blocks run out.
 
         1. self.running, oldest first, while budget is left: grant a request
-           n = min(num_tokens - num_computed_tokens, budget left) tokens and grow its block table
+           n = min(self.wanted(seq), budget left) tokens and grow its block table
            to num_computed_tokens + n tokens (block_manager.can_grow, then grow). While the blocks
            do not fit, preempt the newest running request (self.preempt(self.running[-1]), and
            append it to out.preempted); if that was the request itself, stop walking.
@@ -83,8 +101,7 @@ class Scheduler:
            num_computed_tokens returns to 0, and nobody comes in this step: no one overtakes
            it. (Such a head waits until running requests finish; with nothing running it
            always fits, because the engine refuses, in add_request, a request that could need
-           more blocks than the pool holds.) It gets as many of its tokens as the budget
-           allows, its blocks for those tokens only, status Status.RUNNING, and joins the end
+           more blocks than the pool holds.) It gets min(self.wanted(seq), budget left) tokens, its blocks for those tokens only, status Status.RUNNING, and joins the end
            of self.running (popped from self.waiting).
         Record every grant with out.add(seq, n), n >= 1, and return out. A step that preempts
         nothing must grant some token while requests are unfinished, or the engine would wait
@@ -96,7 +113,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(self.wanted(seq), budget)
             while not self.block_manager.can_grow(seq.block_table, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the newest running request gives its blocks back
                 self.preempt(victim)
@@ -114,7 +131,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             seq.num_computed_tokens = self.reuse_computed(seq)  # cached blocks (chapter 11), loaded K/V (17)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(self.wanted(seq), budget)
             needed = self.block_manager.missing_blocks(seq.block_table, seq.num_tokens)  # the whole prompt
             if needed + len(self.running) > self.block_manager.num_free:
                 self.block_manager.release(seq.block_table)  # not this step: waiting requests hold nothing

@@ -60,15 +60,23 @@ class EngineFailed(EngineDead):
 
 
 class RequestStream:
-    """One request's outputs, an async iterator fed by the engine thread (via the event loop)."""
+    """One request's outputs, an async iterator fed by the engine thread (via the event loop).
+
+    Outputs are cumulative, so a reader that fell behind needs only the newest one: the stream
+    keeps just that (an error replaces it, and ends the stream), and under load a client gets
+    fewer, larger chunks rather than a growing backlog. No queue: one slot and, while the
+    reader waits, one future, since this runs once per token of every stream."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._newest: RequestOutput | BaseException | None = None
+        self._waiter: asyncio.Future | None = None
         self._done = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        self._newest = item
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     @property
     def done(self) -> bool:
@@ -81,11 +89,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        # Outputs are cumulative, so a reader that fell behind needs only the newest one: under
-        # load, a client gets fewer, larger chunks rather than a growing backlog.
-        while not self._queue.empty():
-            item = self._queue.get_nowait()
+        while self._newest is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item, self._newest = self._newest, None
         if isinstance(item, BaseException):
             self._done = True
             raise item

@@ -146,8 +146,11 @@ class ServerMetrics:
             self.vllm.finished.labels(self.model_name, "abort").inc()
 
     def step_outputs(self, outputs: list[RequestOutput], now: float) -> None:
-        """Count and time one step's outputs (`now`: time.perf_counter() when they came out)."""
-        v, m = self.vllm, self.model_name
+        """Count and time one step's outputs (`now`: time.perf_counter() when they came out).
+        Each request gives its histograms one sample; the counters move once per step, by the
+        step's sums (a step with 128 streams would otherwise pay 128 label lookups per series)."""
+        ttfts, gaps, e2es, reasons = [], [], [], []
+        prompt_tokens = new_tokens = 0
         for output in outputs:
             clock = self._clocks.get(output.request_id)
             if clock is None:
@@ -155,23 +158,32 @@ class ServerMetrics:
             num_tokens = sum(len(c.token_ids) for c in output.outputs)
             if num_tokens > clock.num_tokens:
                 if clock.num_tokens == 0:
-                    self.ttft.observe(now - clock.arrival_time)
-                    v.ttft.labels(m).observe(now - clock.arrival_time)
-                    self.prompt_tokens.inc(len(output.prompt_token_ids))
-                    v.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+                    ttfts.append(now - clock.arrival_time)
+                    prompt_tokens += len(output.prompt_token_ids)
                 else:
-                    for histogram in (self.itl, v.itl.labels(m), v.tpot.labels(m)):
-                        histogram.observe(now - clock.last_token_time)
-                self.generation_tokens.inc(num_tokens - clock.num_tokens)
-                v.generation_tokens.labels(m).inc(num_tokens - clock.num_tokens)
+                    gaps.append(now - clock.last_token_time)
+                new_tokens += num_tokens - clock.num_tokens
                 clock.num_tokens, clock.last_token_time = num_tokens, now
             if output.finished:
-                reason = output.outputs[0].finish_reason or "unknown"
-                self.e2e.observe(now - clock.arrival_time)
-                v.e2e.labels(m).observe(now - clock.arrival_time)
-                self.finished.labels(reason).inc()
-                v.finished.labels(m, reason).inc()
+                e2es.append(now - clock.arrival_time)
+                reasons.append(output.outputs[0].finish_reason or "unknown")
                 del self._clocks[output.request_id]
+        v, m = self.vllm, self.model_name
+        for samples, histograms in ((ttfts, lambda: (self.ttft, v.ttft.labels(m))),
+                                    (gaps, lambda: (self.itl, v.itl.labels(m), v.tpot.labels(m))),
+                                    (e2es, lambda: (self.e2e, v.e2e.labels(m)))):
+            if samples:
+                for histogram in histograms():
+                    for sample in samples:
+                        histogram.observe(sample)
+        for mine, theirs, count in ((self.prompt_tokens, v.prompt_tokens, prompt_tokens),
+                                    (self.generation_tokens, v.generation_tokens, new_tokens)):
+            if count:
+                mine.inc(count)
+                theirs.labels(m).inc(count)
+        for reason in reasons:
+            self.finished.labels(reason).inc()
+            v.finished.labels(m, reason).inc()
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""

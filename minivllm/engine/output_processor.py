@@ -210,7 +210,7 @@ class OutputProcessor:
                                         None if c.logprobs is None else list(c.logprobs), c.finish_reason,
                                         c.stop_reason) for c in completions]
         first_tokens = [c.first_token_time for c in completions if c.first_token_time is not None]
-        totals = [sum(c.counters[j] for c in completions) for j in range(4)]
+        totals = [sum(column) for column in zip(*(c.counters for c in completions))]
         metrics = RequestMetrics(state.arrival_time, min(first_tokens, default=None),
                                  max(c.finish_time for c in completions) if finished else None,
                                  totals[0], totals[2], totals[3])

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from minivllm.config.engine import EngineConfig
 from minivllm.core.process import run_core
+from minivllm.executor.main_guard import refuse_unguarded_start
 from minivllm.request.messages import (
     FromCore,
     Ready,
@@ -56,6 +57,7 @@ class CoreProcessClient:
 
     async def start(self) -> None:
         """Start the process and wait until it is Ready (CoreDied if it fails first)."""
+        refuse_unguarded_start()
         self._folder = tempfile.mkdtemp(prefix="minivllm-core-")
         inbox, outbox = f"ipc://{Path(self._folder) / 'in'}", f"ipc://{Path(self._folder) / 'out'}"
         self._context = zmq.asyncio.Context()

@@ -52,7 +52,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 speculative_config=args.speculative_config, disable_any_whitespace=args.disable_any_whitespace,
                 tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                 async_scheduling=args.async_scheduling, persistent_batch=args.persistent_batch,
-                kv_transfer_config=args.kv_transfer_config)
+                kv_transfer_config=args.kv_transfer_config,
+                long_prefill_token_threshold=args.long_prefill_token_threshold)
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -169,8 +170,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--num-kv-blocks", type=int, default=None, help="default: what the memory budget holds")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    serve.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step (default: by the device, 2,048 on a CPU, 8,192 on an H100/H200)")
+    serve.add_argument("--max-num-seqs", type=int, default=None,
+                       help="most requests running at once (default: by the device, 256 on a CPU, 1,024 on an H100/H200)")
+    serve.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                       help="most prompt tokens one request gets per step, so a burst of users starts together (0: no cap)")
     serve.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
     serve.add_argument("--attention", default=None, choices=["torch", "triton"],
                        help="paged attention (default: triton on a GPU, torch on a CPU)")

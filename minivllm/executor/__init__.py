@@ -4,6 +4,7 @@
     worker.py           ranks 1 .. N-1: receive a step, run it, wait for the next
     step_messages.py    a step as one message from rank 0 to the others
     group.py            how the ranks find each other (spawned here, or started by torchrun)
+    main_guard.py       a script without `if __name__ == "__main__":` stopped before it starts processes
 
 The model's half (parallel layers, sharding, direct loading) is distributed/, beside the model.
 """

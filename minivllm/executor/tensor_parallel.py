@@ -42,6 +42,7 @@ from minivllm.executor.group import (
     rank_device,
     torchrun_rank,
 )
+from minivllm.executor.main_guard import refuse_unguarded_start
 from minivllm.executor.worker import (
     WorkerSpec,
     make_shard,
@@ -222,6 +223,7 @@ class TensorParallelRunner(ModelRunner):
 
     def _spawn(self, model: Decoder, n: int, graph_class: type) -> Workers:
         """Start ranks 1 .. n-1 on this machine, around a rendezvous on 127.0.0.1."""
+        refuse_unguarded_start()
         port = free_port()
         store = dist.TCPStore("127.0.0.1", port, n, is_master=True, timeout=STARTUP_TIMEOUT, wait_for_workers=False)
         context = mp.get_context("spawn")  # a fresh interpreter: fork would copy this process's threads and CUDA state

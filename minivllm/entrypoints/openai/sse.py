@@ -99,9 +99,13 @@ def new_deltas(output: RequestOutput, state: StreamState) -> list[Delta]:
     # END SOLUTION
 
 
+# json.dumps(payload, ensure_ascii=False, separators=(",", ":")), without making an encoder per call.
+to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event: `data: <json>` and the blank line that ends an event."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {to_json(payload)}\n\n"
 
 
 @dataclass
@@ -120,6 +124,7 @@ class Chunks:
     # first token at every chunk would make a stream's cost grow with the square of its length.
     text_offsets: dict[int, int] = field(default_factory=dict)
     echoed: set[int] = field(default_factory=set)  # the choices whose prompt went out
+    _head: str | None = field(default=None, init=False, repr=False)  # plain_event's template, made at its first use
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -162,6 +167,24 @@ class Chunks:
         return self._chunk([choice | {"logprobs": logprobs, "finish_reason": delta.finish_reason,
                                       "stop_reason": delta.stop_reason}])
 
+    def plain_event(self, delta: Delta, prompt: int = 0) -> str | None:
+        """sse(self.delta(delta, output, prompt)) for the common chunk, text and no logprobs, made
+        from a template: the chunk's fixed part is serialised once per stream and only the text
+        (and, at the end, the reasons) per token. None where the chunk is not that plain (logprobs
+        asked for, or an echo still to send): then use delta()."""
+        index = prompt * self.n + delta.index
+        if self.top_logprobs is not None or (self.echo is not None and index not in self.echoed):
+            return None
+        if self._head is None:  # '{"id":...,"choices":[' : the chunk without its choice
+            self._head = "data: " + to_json(self._chunk([]))[:-2]
+        if self.chat:
+            text = f'"delta":{{"content":{to_json(delta.text)}}}' if delta.text else '"delta":{}'
+        else:
+            text = f'"text":{to_json(delta.text)}'
+        end = ("null" if delta.finish_reason is None else to_json(delta.finish_reason),
+               "null" if delta.stop_reason is None else to_json(delta.stop_reason))
+        return f'{self._head}{{"index":{index},{text},"logprobs":null,"finish_reason":{end[0]},"stop_reason":{end[1]}}}]}}\n\n'
+
     def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage is set: no choices, the counts of
         every prompt (the last output of each)."""
@@ -182,10 +205,13 @@ async def stream_events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunk
     async for prompt, output in outputs:
         last[prompt] = output
         for delta in new_deltas(output, states.setdefault(prompt, StreamState())):
-            chunk = chunks.delta(delta, output, prompt)
-            if continuous_usage:
-                chunk["usage"] = usage([last[p] for p in sorted(last)])
-            yield sse(chunk)
+            event = None if continuous_usage else chunks.plain_event(delta, prompt)
+            if event is None:
+                chunk = chunks.delta(delta, output, prompt)
+                if continuous_usage:
+                    chunk["usage"] = usage([last[p] for p in sorted(last)])
+                event = sse(chunk)
+            yield event
     if include_usage and last:
         yield sse(chunks.usage([last[p] for p in sorted(last)]))
     yield DONE

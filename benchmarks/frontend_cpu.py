@@ -1,0 +1,182 @@
+"""What one streamed token costs the server's frontend process, in CPU time (issue 48).
+
+    python benchmarks/frontend_cpu.py [--users 128] [--rounds 3] [--compare DIR] [--profile]
+
+A GPU steps a batch of 128 in milliseconds; then the frontend (HTTP, detokenizing, JSON, one
+server-sent event per token) is what limits a server, and its CPU time per streamed token says
+how many tokens per second one frontend core can stream. Measured as chapter 15 does it, in the
+regime of a fast GPU on a CPU: `minivllm serve` (core process) on the cheap 2-layer model with the
+embedded tokenizer (course/bench/split_serving.py), the load generator (`run_level`, closed
+loop, chat workload, 2 requests per user) in this process. Per run: the frontend process's CPU
+seconds (user + system) and its core process's, over the tokens the clients received.
+
+--compare DIR runs another checkout's server (say, the code before a change) in turns with this
+one, round by round, the order alternating, and reports medians: the machine is shared, so
+only numbers taken side by side compare. --profile adds one run of this checkout's frontend
+sampled by py-spy (pip install py-spy) over the measured requests only, and keeps the functions
+with the largest share of the frontend's busy samples, their own and with what they call.
+Writes benchmarks/results/48_frontend_cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from minivllm.course.bench.harness import save_results
+from minivllm.course.bench.load import run_level
+from minivllm.course.bench.split_serving import (
+    CHEAP_SHAPE,
+    ENGINE,
+    START_TIMEOUT,
+    free_port,
+    write_cheap_model,
+)
+from minivllm.course.bench.workloads import make_workload
+from minivllm.machine import environment
+
+HERE = Path(__file__).resolve().parents[1]  # this checkout
+
+
+def start_server(model: Path, code: Path) -> tuple[subprocess.Popen, str]:
+    """`minivllm serve` (core process, one torch thread) from checkout `code`; returns it and its url."""
+    port = free_port()
+    command = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--model", str(model), "--port", str(port),
+                     "--threads", "1", "--engine-core", "process", "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+                     "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-waiting", "4096"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(code)))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited: {server.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            stop(server)
+            raise RuntimeError(f"the server did not start within {START_TIMEOUT:g} s")
+        try:
+            if httpx.get(f"{url}/health", trust_env=False).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def measure(model: Path, code: Path, users: int, seed: int, profile: Path | None = None) -> dict[str, Any]:
+    """One server from `code` under `users` streams: CPU per token of its frontend and its core."""
+    server, url = start_server(model, code)
+    try:
+        frontend = psutil.Process(server.pid)
+        name = httpx.get(f"{url}/v1/models", trust_env=False).json()["data"][0]["id"]
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        warm = make_workload("chat", vocab, seed=seed + 1, num_requests=users)
+        asyncio.run(run_level(url, name, warm, concurrency=users, timeout=120, deadline=300))  # first-call costs
+        work = make_workload("chat", vocab, seed=seed, num_requests=2 * users)
+        cores = frontend.children()
+        spy = None if profile is None else subprocess.Popen(
+            ["py-spy", "record", "--pid", str(server.pid), "--rate", "250", "--format", "raw", "--output", str(profile)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        before = cpu_seconds(frontend), sum(cpu_seconds(c) for c in cores)
+        results, seconds = asyncio.run(run_level(url, name, work, concurrency=users, timeout=120, deadline=300))
+        after = cpu_seconds(frontend), sum(cpu_seconds(c) for c in cores)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
+            spy.wait(60)
+    finally:
+        stop(server)
+    tokens = sum(r.output_tokens for r in results)
+    failed = sum(not r.ok for r in results)
+    return {"code": str(code), "tokens": tokens, "failed": failed, "seconds": seconds, "tok_per_s": tokens / seconds,
+            "frontend_us_per_token": 1e6 * (after[0] - before[0]) / tokens,
+            "core_us_per_token": 1e6 * (after[1] - before[1]) / tokens, "load_average": os.getloadavg()}
+
+
+def profile_summary(path: Path, top: int = 30) -> dict[str, Any]:
+    """py-spy's samples (collapsed stacks, "frame;frame;... count"): each function's share of the
+    busy samples, on top of the stack (its own time) and anywhere in it (with what it calls)."""
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    samples = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                  for f in stack.split(";")]
+        n = int(count)
+        samples += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in set(frames):
+            total[frame] = total.get(frame, 0) + n
+    share = lambda table: [{"function": f, "share": c / samples}
+                           for f, c in sorted(table.items(), key=lambda kv: -kv[1])[:top]]
+    return {"samples": samples, "own": share(own), "inclusive": share(total)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare", type=Path, default=None, help="another checkout, measured in turns with this one")
+    parser.add_argument("--profile", action="store_true", help="one more run of this checkout under cProfile")
+    parser.add_argument("--results", default="48_frontend_cpu")
+    args = parser.parse_args()
+    codes = {"this": HERE} | ({"compare": args.compare.resolve()} if args.compare else {})
+    folder = Path(tempfile.mkdtemp(prefix="minivllm-cheap-"))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in codes}
+    try:
+        model = write_cheap_model(folder / "model")
+        for round_ in range(args.rounds):
+            order = list(codes) if round_ % 2 == 0 else list(codes)[::-1]
+            for name in order:
+                run = measure(model, codes[name], args.users, args.seed)
+                runs[name].append(run)
+                print(f"round {round_} {name}: frontend {run['frontend_us_per_token']:.1f} us/token, core "
+                      f"{run['core_us_per_token']:.1f} us/token, {run['tok_per_s']:.0f} tok/s, load {run['load_average'][0]:.1f}")
+        profile = None
+        if args.profile:
+            run = measure(model, HERE, args.users, args.seed, profile=folder / "frontend.txt")
+            profile = {"run": run, "py_spy": profile_summary(folder / "frontend.txt")}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    medians = {name: {key: statistics.median(r[key] for r in rs)
+                      for key in ("frontend_us_per_token", "core_us_per_token", "tok_per_s")}
+               for name, rs in runs.items() if rs}
+    for name, m in medians.items():
+        print(f"{name} ({codes[name]}): median frontend {m['frontend_us_per_token']:.1f} us/token, "
+              f"core {m['core_us_per_token']:.1f}, {m['tok_per_s']:.0f} tok/s")
+    payload = {"machine": environment() | {"cpu_count": os.cpu_count()},
+               "model": {"shape": CHEAP_SHAPE, "tokenizer": "the embedded model's"}, "engine": ENGINE,
+               "workload": "chat", "streams": args.users, "requests_per_run": 2 * args.users,
+               "codes": {name: str(path) for name, path in codes.items()}, "medians": medians, "runs": runs,
+               "profile": profile, "command": " ".join(["python", "benchmarks/frontend_cpu.py"] + sys.argv[1:])}
+    save_results(args.results, payload)
+
+
+if __name__ == "__main__":
+    main()
