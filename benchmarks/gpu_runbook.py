@@ -293,7 +293,7 @@ def serving_summary(run: Run) -> dict[str, Any]:
 def overlap(run: Run) -> list[str]:
     size = (["--batch-size", "256", "--context", "600", "--steps", "20", "--device-ms", "2"] if run.gpu else
             ["--batch-size", "4", "--context", "40", "--steps", "3", "--device-ms", "2"])
-    return [script("chapters", "16_async_scheduling.py"), "--device", run.device, *run.model, *size]
+    return [script("chapters", "16_async_scheduling.py"), "--device", run.device, *run.model, *size, "--out", "."]
 
 
 def overlap_summary(run: Run) -> dict[str, Any]:
@@ -343,7 +343,7 @@ def checks_summary(run: Run) -> dict[str, Any]:
 def step_profile(run: Run) -> list[str]:
     size = ["--batch-size", "256", "--context", "600"] if run.gpu else ["--batch-size", "4", "--context", "40",
                                                                         "--steps", "2"]
-    return [script("chapters", "09_cuda_graphs.py"), "--device", run.device, *run.model, *size]
+    return [script("chapters", "09_cuda_graphs.py"), "--device", run.device, *run.model, *size, "--out", "."]
 
 
 def profile_summary(run: Run) -> dict[str, Any]:

@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).parents[1] / "chapters" / "16_async_scheduling.py"
 @pytest.mark.floors
 def test_the_chapter_script_runs_and_measures_both_engines(tiny_checkpoint, tmp_path):
     args = ["--model", str(tiny_checkpoint), "--device", "cpu", "--batch-size", "8", "--context", "40", "--steps", "6",
-            "--device-ms", "1,3"]
+            "--device-ms", "1,3", "--out", str(tmp_path)]
     payload = run_script(SCRIPT, args, tmp_path, "16_async_scheduling_cpu", figures=("16_overlap",))
     assert payload["sample"]["same_tokens"]
     rows = payload["stand_in"]["rows"]

@@ -21,10 +21,11 @@ def on_cuda(model) -> SimpleNamespace:
 
 def test_resolve_decides_every_setting_left_to_the_engine(qwen3_model):
     resolved = EngineConfig().resolve(qwen3_model)
-    optional = {"speculative_config"}  # None there is a decision: no speculation
+    optional = {"speculative_config", "kv_transfer_config"}  # None there is a decision: no speculation, no connector
     assert all(getattr(resolved, f.name) is not None for f in dataclasses.fields(resolved) if f.name not in optional)
     assert resolved.max_model_len == qwen3_model.config.max_position_embeddings
-    assert (resolved.attention, resolved.cuda_graphs, resolved.fused_ops) == ("torch", False, False)  # a CPU
+    assert (resolved.attention, resolved.cuda_graphs, resolved.piecewise_graphs, resolved.fused_ops) == (
+        "torch", False, False, False)  # a CPU
     assert resolved.enable_prefix_caching is engine_config.PREFIX_CACHING_DEFAULT  # as the chapter set it
     assert EngineConfig(max_model_len=64, num_kv_blocks=9).resolve(qwen3_model).num_kv_blocks == 9  # given: kept
 
