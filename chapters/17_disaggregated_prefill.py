@@ -14,9 +14,7 @@ JSON: benchmarks/results/17_disaggregated_prefill_<device>.json.
 """
 from __future__ import annotations
 
-import functools
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,55 +23,10 @@ import torch
 from rich.table import Table
 
 from minivllm import LLM, SamplingParams, load_tokenizer
+from minivllm.course.bench.disagg import load_or_compute, record_calls, transfer_config
 from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
 from minivllm.course.text import DEMO_PROMPT, random_prompts, show_sample
-from minivllm.kv_transfer.base import KVConnectorMetadata
 from minivllm.machine import environment
-
-CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
-         "bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save")
-
-
-def describe(value) -> str:
-    """A call's argument or result, short: a request by id, a step's plan by its sizes."""
-    if isinstance(value, KVConnectorMetadata):
-        return f"meta(loads={len(value.loads)} blocks, saves={len(value.saves)} blocks)"
-    if hasattr(value, "request_id"):
-        return f"request {value.request_id!r}"
-    if hasattr(value, "num_new_tokens"):
-        return f"schedule({dict(zip([s.request_id for s in value.seqs], value.num_new_tokens))})"
-    if hasattr(value, "k") and hasattr(value, "num_blocks"):
-        return "pool"
-    return repr(value)
-
-
-def record_calls(llm: LLM, name: str, log: list[str]) -> None:
-    """Wrap the connector methods of both halves of llm's connector so that each call is logged.
-    Per-layer calls are logged for layer 0 only (the others repeat it), and steps that move
-    nothing (a decode: build_connector_meta's plan is empty) not at all."""
-    core = llm.engine.core
-    for side, connector in (("scheduler", core.connector), ("worker", core.runner.connector)):
-        for method in CALLS:
-            original = getattr(connector, method)
-
-            @functools.wraps(original)
-            def logged(*args, _original=original, _method=method, _side=side, _connector=connector):
-                result = _original(*args)
-                plan = {"build_connector_meta": result, "bind_connector_metadata": args[0] if args else None}.get(
-                    _method, _connector._meta if _side == "worker" else None)
-                idle = plan is not None and not plan.loads and not plan.saves
-                if not idle and not (_method in ("wait_for_layer_load", "save_kv_layer") and args[0] != 0):
-                    shown = ", ".join(map(describe, args))
-                    suffix = f" -> {describe(result)}" if result is not None else ""
-                    log.append(f"{name:9} {_side:9} {_method}({shown}){suffix}")
-                return result
-            setattr(connector, method, logged)
-
-
-def transfer_config(role: str, folder: str) -> dict:
-    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": folder}}
-
 
 def one_request(model, tokenizer, folder: str) -> dict:
     """The connector's calls for one request through a producer, then a consumer."""
@@ -106,39 +59,9 @@ def one_request(model, tokenizer, folder: str) -> dict:
                 files=len(files))
 
 
-def first_token_seconds(llm: LLM, prompt: list[int]) -> tuple[float, float]:
-    """Wall and CPU seconds (every thread of this process) to generate one token for one prompt:
-    its prefill, or its load and the last token. On a shared machine the CPU time is the steadier."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def load_or_compute(model, lengths: list[int], repeats: int, folder: str) -> list[dict]:
-    """Time to first token of one prompt: computed by one engine, or loaded by a consumer from
-    the files a producer wrote (medians of `repeats`, each on fresh prompts: no prefix cache helps)."""
-    settings = dict(block_size=16, max_model_len=max(lengths) + 16, enable_prefix_caching=False,
-                    max_num_batched_tokens=max(lengths))
-    alone = LLM(model, **settings)
-    producer = LLM(model, kv_transfer_config=transfer_config("kv_producer", folder), **settings)
-    consumer = LLM(model, kv_transfer_config=transfer_config("kv_consumer", folder), **settings)
-    bytes_per_token = model.config.kv_bytes_per_token(model.dtype)
-    warm = random_prompts([min(lengths)], model.config.vocab_size, seed=1)[0]
-    for llm in (alone, producer, consumer):  # first calls pay one-time costs: not what is measured
-        first_token_seconds(llm, warm)
-    rows = []
-    for length in lengths:
-        prompts = random_prompts([length] * repeats, model.config.vocab_size, seed=length)
-        computed = [first_token_seconds(alone, p) for p in prompts]
-        for p in prompts:
-            producer.generate([p], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-        loaded = [first_token_seconds(consumer, p) for p in prompts]
-        moved = (length - 1) // 16 * 16
-        rows.append(dict(prompt_tokens=length, loaded_tokens=moved, transfer_bytes=moved * bytes_per_token,
-                         compute_ms=1e3 * statistics.median(w for w, _ in computed),
-                         load_ms=1e3 * statistics.median(w for w, _ in loaded),
-                         compute_cpu_ms=1e3 * statistics.median(c for _, c in computed),
-                         load_cpu_ms=1e3 * statistics.median(c for _, c in loaded)))
+def timing_table(model, lengths: list[int], repeats: int, folder: str) -> list[dict]:
+    """load_or_compute's rows, printed as a table."""
+    rows = load_or_compute(model, lengths, repeats, folder)
     load = os.getloadavg()[0]
     table = Table(title=f"Time to first token, one prompt (median of {repeats}; {torch.get_num_threads()} threads, "
                         f"load average {load:.1f})")
@@ -169,7 +92,7 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     with tempfile.TemporaryDirectory() as demo, tempfile.TemporaryDirectory() as timed:
         facts = dict(one_request=one_request(model, tokenizer, demo),
-                     load_or_compute=load_or_compute(model, args.lengths, args.repeats, timed))
+                     load_or_compute=timing_table(model, args.lengths, args.repeats, timed))
     path = save_results(f"17_disaggregated_prefill_{model.device.type}", dict(
         environment=environment(model), created=time.strftime("%Y-%m-%d %H:%M:%S"),
         threads=torch.get_num_threads(), load_average=list(os.getloadavg()), seconds=time.perf_counter() - start,

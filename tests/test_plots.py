@@ -78,3 +78,42 @@ def test_chapter_7_timeline_run_has_preemptions(monkeypatch, tmp_path):
     facts = chapter["timeline"](minivllm.load_model(device="cpu"), SimpleNamespace(seed=0))
     assert facts["preemptions"] > 0 and facts["recomputed_tokens"] > 0, facts
     assert saved == ["07_timeline", "07_step_composition"]
+
+
+def test_disaggregation_picture_matches_blocks_by_key():
+    """Chapter 17: a block crosses (an arrow producer -> file -> consumer) exactly when the producer
+    saved its key and the consumer loaded it, whatever pool block each instance gave it."""
+    from matplotlib.patches import FancyArrowPatch
+
+    from minivllm.course.plots.disagg import plot_disaggregation
+    from minivllm.kv_transfer.base import BlockTransfer
+
+    keys = ["a" * 64, "b" * 64, "c" * 64]  # a prompt of 52 tokens: 3 full blocks of 16 and 4 tokens
+    saved = [BlockTransfer(5 + i, key) for i, key in enumerate(keys)]
+    # The consumer computes block 2 itself; its plans may list blocks in any order.
+    loaded = [BlockTransfer(1, keys[1]), BlockTransfer(0, keys[0])]
+    fig = plot_disaggregation(keys, 52, 16, saved, loaded)
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert [t for t in texts if t in ("aaaaaaaa", "bbbbbbbb", "cccccccc")] == ["aaaaaaaa", "bbbbbbbb", "cccccccc"]
+    assert [t for t in texts if "saved: pool block" in t] == [f"tokens {16 * i}-{16 * i + 15}\nsaved: pool block {5 + i}"
+                                                             for i in range(3)]
+    assert [t for t in texts if "loaded: pool block" in t] == ["tokens 0-15\nloaded: pool block 0",
+                                                              "tokens 16-31\nloaded: pool block 1"]
+    assert texts.count("tokens 32-47\ncomputed here") == 1 and texts.count("tokens 48-51\ncomputed here") == 1
+    assert sum(isinstance(p, FancyArrowPatch) for p in ax.patches) == len(saved) + len(loaded)
+    with pytest.raises(ValueError, match="3 full blocks"):
+        plot_disaggregation(keys[:2], 52, 16, saved, loaded)
+
+
+def test_prefill_stall_draws_one_bar_per_step_coloured_by_prompt_tokens():
+    from minivllm.course.plots.disagg import DECODE, PREFILL, plot_prefill_stall
+
+    steps = [dict(ms=10.0, prefill_tokens=0, decodes=8), dict(ms=90.0, prefill_tokens=480, decodes=8),
+             dict(ms=12.0, prefill_tokens=0, decodes=9)]
+    fig = plot_prefill_stall({"one engine": steps, "consumer": steps[:1]})
+    one, consumer = fig.axes[:2]
+    assert [b.get_height() for b in one.patches] == [10.0, 90.0, 12.0] and len(consumer.patches) == 1
+    assert [to_rgba(b.get_facecolor()) for b in one.patches] == [to_rgba(c) for c in (DECODE, PREFILL, DECODE)]
+    assert [t.get_text() for t in one.texts] == ["+480"]
+    assert one.get_ylim() == consumer.get_ylim()  # shared: stalls compare across panels
