@@ -15,7 +15,7 @@ from minivllm.core.block_manager import BlockManager
 from minivllm.core.scheduler import Scheduler
 from minivllm.request.sequence import Sequence
 
-pytestmark = pytest.mark.ch07
+pytestmark = [pytest.mark.ch07, pytest.mark.floors]
 
 
 @pytest.mark.parametrize("name, gib, expected", [("NVIDIA H200", 141, (8192, 1024)), ("NVIDIA H100 80GB HBM3", 80, (8192, 1024)),

@@ -276,7 +276,7 @@ MIXED = [1, 40, 7, 23, 16]
     (40, None, "single"),  # auto: 5 x 2 pairs fill the interpreter's pretend GPU; one pass
     (4096, 4096, "single"),  # one partition of the longest allowed context: a single pass
     (4096, 1024, "split"),  # 4 partitions of each sequence's own context: some empty
-    (4096, 64, "split"),  # 64 partitions, nearly all empty
+    pytest.param(4096, 64, "split", marks=pytest.mark.slow),  # 64 partitions, nearly all empty (44 s interpreted)
     (64, 16, "split"),  # one-tile partitions
 ])
 def test_decode_paths_match_float64(kernels, max_context_len, partition_size, path):

@@ -193,7 +193,7 @@ def test_engine_switches_are_validated(qwen3_model):
 @pytest.mark.parametrize("name, value", [
     ("block_size", 0), ("block_size", 2.0), ("block_size", True), ("block_size", "16"),
     ("num_kv_blocks", 0), ("num_kv_blocks", 3.5), ("max_num_batched_tokens", 0), ("max_num_batched_tokens", 1.5),
-    ("max_num_seqs", 0), ("max_num_seqs", None), ("max_model_len", 0), ("max_model_len", 1), ("max_model_len", 64.0),
+    ("max_num_seqs", 0), ("max_num_seqs", 2.0), ("max_model_len", 0), ("max_model_len", 1), ("max_model_len", 64.0),
 ])
 def test_bad_engine_settings_are_refused(qwen3_model, name, value):
     with pytest.raises(ValueError, match=name):

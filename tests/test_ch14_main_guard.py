@@ -13,7 +13,7 @@ import pytest
 
 from minivllm.executor.main_guard import MAIN_GUARD_ERROR, _guarded
 
-pytestmark = pytest.mark.ch14
+pytestmark = [pytest.mark.ch14, pytest.mark.floors]
 LIMIT = 240  # seconds: importing torch and minivllm on a busy machine; a hang takes for ever
 BOOTSTRAP = "An attempt has been made to start a new process"  # multiprocessing's own message
 

@@ -80,6 +80,7 @@ def test_chapter_7_timeline_run_has_preemptions(monkeypatch, tmp_path):
     assert saved == ["07_timeline", "07_step_composition"]
 
 
+@pytest.mark.floors
 def test_disaggregation_picture_matches_blocks_by_key():
     """Chapter 17: a block crosses (an arrow producer -> file -> consumer) exactly when the producer
     saved its key and the consumer loaded it, whatever pool block each instance gave it."""
@@ -106,6 +107,7 @@ def test_disaggregation_picture_matches_blocks_by_key():
         plot_disaggregation(keys[:2], 52, 16, saved, loaded)
 
 
+@pytest.mark.floors
 def test_prefill_stall_draws_one_bar_per_step_coloured_by_prompt_tokens():
     from minivllm.course.plots.disagg import DECODE, PREFILL, plot_prefill_stall
 

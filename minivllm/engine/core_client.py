@@ -30,6 +30,7 @@ from minivllm.config.engine import EngineConfig
 from minivllm.core.engine_core import EngineCore
 from minivllm.engine.data_parallel import DataParallelClient
 from minivllm.engine.process_client import CoreProcessClient
+from minivllm.executor.group import torchrun_rank
 from minivllm.executor.main_guard import refuse_unguarded_start
 from minivllm.loader import load_tokenizer
 from minivllm.model import Decoder
@@ -159,7 +160,8 @@ def make_client(model: Any, config: EngineConfig, tokenizer: Any = None, device:
     not started yet: `await client.start()`); otherwise a synchronous client (LLMEngine).
     model/tokenizer/device/dtype: as for LLMEngine; threads: torch's CPU threads in each core
     process (None: this process's, shared among N copies)."""
-    if config.data_parallel_size > 1 or config.tensor_parallel_size > 1 or multiprocess or asyncio_mode:
+    spawns_ranks = config.tensor_parallel_size > 1 and torchrun_rank() is None  # torchrun starts its ranks itself
+    if config.data_parallel_size > 1 or spawns_ranks or multiprocess or asyncio_mode:
         refuse_unguarded_start()  # before loading anything: a script without the main guard ends here
     if not isinstance(model, Decoder):
         tokenizer = tokenizer or load_tokenizer(model)
