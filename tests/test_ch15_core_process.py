@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import httpx
 import psutil
 import pytest
-from server_checks import ENGINE, MODEL, TIMEOUT, chunks_of, expect_status, metric_values, openai_client, \
+from server_checks import ENGINE, MODEL, TIMEOUT, chunks_of, expect_status, openai_client, \
     running_server, wait_until_idle
 
 from minivllm import LLM, LLMEngine, SamplingParams

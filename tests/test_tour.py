@@ -144,6 +144,7 @@ def test_a_stage_with_no_time_left_is_skipped_and_named(tiny_checkpoint, tmp_pat
                             check=1, peers=False, time_limit=5)
     saved = json.loads((tmp_path / "benchmarks/results/tour_cpu_tiny.json").read_text())
     assert saved["rows"] == [] and saved["skipped"] == ["naive", "paged"] and saved["complete"] is True
+    assert payload["skipped"] == saved["skipped"]  # what it returns is what it saved
     for bad in (0, -1, True, "5"):
         with pytest.raises(ValueError, match="time_limit"):
             tour.run_tour(tiny_checkpoint, device="cpu", workload="tiny", time_limit=bad)
