@@ -13,7 +13,15 @@ import pytest
 from collection import ALL_ITEMS, files_with_chapters
 
 from minivllm.course import exercises
-from minivllm.course.exercises import EXERCISES, NOTEBOOKS, Exercise, find_regions, make_student_copy, stub_source
+from minivllm.course.exercises import (
+    EXERCISES,
+    NOTEBOOKS,
+    STUBBED_CHAPTERS,
+    Exercise,
+    find_regions,
+    make_student_copy,
+    stub_source,
+)
 
 ROOT = exercises.PROJECT_ROOT
 # In a student copy the solutions are gone: the checks that need them have nothing to check.
@@ -331,10 +339,15 @@ def classroom(tmp_path_factory):
 
 
 def stub_from(copy, sources: dict[str, str], first: str) -> None:
-    """In the copy, stub every exercise of chapter `first` and later; keep the earlier solutions."""
+    """In the copy, stub every exercise of chapter `first` and later; keep the earlier solutions.
+    The chapters after `first` are also listed in the copy's stubbed_chapters.txt, so that a
+    program a check starts (a script, the CLI) runs the engine as of `first`, as the checks
+    themselves do in-process (conftest's LATER_DEFAULTS) and as a student's copy does."""
     for path, source in sources.items():
         stubbed = {ex.qualname: ex for ex in EXERCISES if ex.path == path and ex.chapter >= first}
         (copy / path).write_text(stub_source(source, stubbed, path))
+    later = sorted({ex.chapter for ex in EXERCISES if ex.chapter > first})
+    (copy / STUBBED_CHAPTERS).write_text("".join(f"{chapter}\n" for chapter in later))
 
 
 def check_outcomes(report) -> list[tuple[str, list[str], str | None]]:
