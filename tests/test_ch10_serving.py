@@ -479,6 +479,7 @@ def test_serve_flags_reach_the_engine(tiny_checkpoint):
     """`minivllm serve` passes vLLM's --enforce-eager and --[no-]enable-prefix-caching through, and
     leaves the rest to the engine's own per-device choice."""
     from minivllm.entrypoints.cli import build_parser, engine_options
+    from minivllm.config import engine as engine_config
     from minivllm.core.prefix_cache import PrefixCachingBlockManager
 
     def options(*flags: str) -> dict:
@@ -491,8 +492,8 @@ def test_serve_flags_reach_the_engine(tiny_checkpoint):
     assert options("--enable-prefix-caching")["enable_prefix_caching"] is True
     engine = LLMEngine(str(tiny_checkpoint), **options("--no-enable-prefix-caching", "--device", "cpu"))
     assert not isinstance(engine.core.block_manager, PrefixCachingBlockManager)
-    engine = LLMEngine(str(tiny_checkpoint), **options("--device", "cpu"))
-    assert isinstance(engine.core.block_manager, PrefixCachingBlockManager)
+    engine = LLMEngine(str(tiny_checkpoint), **options("--device", "cpu"))  # the engine's default: on from chapter 11
+    assert isinstance(engine.core.block_manager, PrefixCachingBlockManager) == engine_config.PREFIX_CACHING_DEFAULT
 
 
 def test_streamed_completion_logprobs_equal_the_whole_answers(http):
