@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -143,6 +144,9 @@ def continuous_batching(hf_model: Any, prompts: list[list[int]], output_lens: li
         yield manager
 
 
+_REQUEST_NUMBERS = itertools.count()  # request ids unique across runs on one manager (a warm-up, then the timed run)
+
+
 def generate_on(manager: Any, prompts: list[list[int]], output_lens: list[int],
                 deadline: float | None = None) -> list[list[int] | None]:
     """Each request's own number of greedy tokens from a running manager (continuous_batching).
@@ -150,10 +154,8 @@ def generate_on(manager: Any, prompts: list[list[int]], output_lens: list[int],
     ourselves: the same work minivllm does, not the longest output for all. With a `deadline` (a
     time.perf_counter() value) it stops there: the requests not finished by then come back as
     None (without one, every request comes back)."""
-    start = len(getattr(manager, "_minivllm_ids", ()))
-    ids = [manager.add_request(p, request_id=f"req_{start + i}", max_new_tokens=n, eos_token_id=-1)
-           for i, (p, n) in enumerate(zip(prompts, output_lens))]
-    manager._minivllm_ids = [*getattr(manager, "_minivllm_ids", ()), *ids]  # request ids stay unique per manager
+    ids = [manager.add_request(p, request_id=f"req_{next(_REQUEST_NUMBERS)}", max_new_tokens=n, eos_token_id=-1)
+           for p, n in zip(prompts, output_lens)]
     results: dict[str, list[int]] = {}
     while len(results) < len(ids):
         if deadline is not None and time.perf_counter() > deadline:
