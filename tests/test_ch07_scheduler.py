@@ -17,7 +17,7 @@ from minivllm.core.scheduler import Scheduler
 from minivllm.request.sequence import SchedulerOutput
 from minivllm.request.sequence import Sequence, Status
 
-pytestmark = [pytest.mark.ch07, pytest.mark.floors]
+pytestmark = [pytest.mark.ch07]
 
 BLOCK = 4  # tokens per block in every state here
 

@@ -33,10 +33,14 @@ arrival time gives it (`admit_compiled`, at the start of every schedule).
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from minivllm.core.block_manager import BlockManager
-from minivllm.kv_transfer.base import KVConnectorBase
 from minivllm.request.sequence import SchedulerOutput, Sequence, Status
+
+if TYPE_CHECKING:  # the scheduler only calls the connector it is given; importing chapter 17's
+    # package would load the engine config and the model into every scheduler import
+    from minivllm.kv_transfer.base import KVConnectorBase
 
 
 class Scheduler:
