@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minivllm.config.user_dict import checked_dict
+
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # Each connector's extra settings: name -> (type, required). A connector not listed here does not exist.
 CONNECTORS: dict[str, dict[str, tuple[type, bool]]] = {
@@ -46,12 +48,8 @@ class KVTransferConfig:
         """The config a user wrote (a dict as above), checked; a KVTransferConfig passes as it is."""
         if isinstance(config, KVTransferConfig):
             return config
-        if not isinstance(config, dict):
-            raise ValueError(f"kv_transfer_config must be a dict such as {{'kv_connector': 'SharedStorageConnector', "
-                             f"'kv_role': 'kv_both', ...}}, got {type(config).__name__}")
-        unknown = sorted(set(config) - set(KEYS), key=str)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; the keys are {list(KEYS)}")
+        checked_dict(config, "kv_transfer_config", KEYS,
+                     example="{'kv_connector': 'SharedStorageConnector', 'kv_role': 'kv_both', ...}")
         for name in ("kv_connector", "kv_role"):
             if name not in config:
                 raise ValueError(f"kv_transfer_config needs {name!r}")
@@ -60,14 +58,9 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config['kv_connector'] must be one of {sorted(CONNECTORS)}, got {connector!r}")
         if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"kv_transfer_config['kv_role'] must be one of {list(ROLES)}, got {role!r}")
-        extra = config.get("kv_connector_extra_config", {})
-        if not isinstance(extra, dict):
-            raise ValueError(f"kv_transfer_config['kv_connector_extra_config'] must be a dict, got {type(extra).__name__}")
         settings = CONNECTORS[connector]
-        unknown = sorted(set(extra) - set(settings), key=str)
-        if unknown:
-            raise ValueError(f"kv_transfer_config['kv_connector_extra_config'] has unknown keys {unknown} for "
-                             f"{connector}; its keys are {sorted(settings)}")
+        extra = checked_dict(config.get("kv_connector_extra_config", {}),
+                             "kv_transfer_config['kv_connector_extra_config']", settings)
         for name, (kind, required) in settings.items():
             where = f"kv_transfer_config['kv_connector_extra_config'][{name!r}]"
             if name not in extra:

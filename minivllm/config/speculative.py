@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from minivllm.config.user_dict import checked_dict
+
 METHODS = ("ngram", "draft_model")
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "disable_by_batch_size"}
 # minivllm's defaults for prompt lookup when the config leaves them out: match the last 4 tokens
@@ -70,12 +72,7 @@ class SpeculativeConfig:
         """The config a user wrote (a dict as above), checked; a SpeculativeConfig passes as it is."""
         if isinstance(config, SpeculativeConfig):
             return config
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
-                             f"'num_speculative_tokens': 3}}, got {type(config).__name__}")
-        unknown = sorted(set(config) - KEYS)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; the keys are {sorted(KEYS)}")
+        checked_dict(config, "speculative_config", KEYS, example="{'method': 'ngram', 'num_speculative_tokens': 3}")
         method = config.get("method", "draft_model" if "model" in config else None)
         if method not in METHODS:
             raise ValueError(f"speculative_config['method'] must be one of {METHODS} (or leave it out and give a "
