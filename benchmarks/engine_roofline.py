@@ -264,10 +264,9 @@ def main() -> None:
     for row in measure(model, work, variants, args.repeats, peer_work, args.peer_variants or variants, peer_deadline):
         # share_of_roofline at the measured bandwidth, share_of_datasheet_roofline at the datasheet's; none for a
         # runner that did not finish its requests: it did not do the floor's work (and no ratio is taken against it)
-        row |= roofline_shares(floor if row["workload"] == work.name else peer_floor, row["median_seconds"], datasheet)
         finished, asked = row["requests_finished"].split("/")
-        if finished != asked:
-            row |= dict(share_of_roofline=None, share_of_datasheet_roofline=None)
+        row |= (roofline_shares(floor if row["workload"] == work.name else peer_floor, row["median_seconds"], datasheet)
+                if finished == asked else dict(share_of_roofline=None, share_of_datasheet_roofline=None))
         rows.append(row)
         save_results(name, payload, complete=False)  # a run killed later keeps this row
     payload["peer_settings"] = PEER_SETTINGS.as_dict()
