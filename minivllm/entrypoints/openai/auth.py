@@ -17,6 +17,7 @@ import hashlib
 import hmac
 
 from starlette.responses import JSONResponse
+from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.entrypoints.openai.responses import error_body
@@ -32,8 +33,9 @@ def check_api_key(api_key: object) -> None:
 
 
 def protected(path: str) -> bool:
-    """The routes that want the key: everything under /v1."""
-    return path == "/v1" or path.startswith("/v1/")
+    """The routes that want the key: everything under /v1, and SageMaker's /invocations, which
+    generates as /v1 does. `path` is the route's path, after any --root-path."""
+    return path in ("/v1", "/invocations") or path.startswith("/v1/")
 
 
 class APIKeyMiddleware:
@@ -52,7 +54,7 @@ class APIKeyMiddleware:
         return matches and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and protected(scope["path"]) and not self.authorized(scope):
+        if scope["type"] == "http" and protected(get_route_path(scope)) and not self.authorized(scope):
             body = error_body("Incorrect or missing API key: send the header `Authorization: Bearer <key>`",
                               param="Authorization", code="invalid_api_key")
             await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
