@@ -158,7 +158,8 @@ def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 
     else:
         async_engine = AsyncEngine(engine, max_waiting, static_batch_size)
     async_engine.metrics.model_name = model_name  # the label of the vllm: series
-    app = FastAPI(title="minivllm", lifespan=lifespan, root_path=root_path)
+    app = FastAPI(title="minivllm", lifespan=lifespan)
+    app.root_path = root_path  # (vLLM sets it so; the constructor's argument is deprecated)
     app.state.server = Server(async_engine, model_name, max_waiting, static_batch_size, max_logprobs,
                               return_tokens_as_token_ids, enable_force_include_usage, enable_prompt_tokens_details,
                               enable_per_request_metrics)
