@@ -39,7 +39,7 @@ from minivllm.entrypoints.openai.app import build_app
 
 pytestmark = [pytest.mark.ch10, pytest.mark.floors]
 
-ENGINE = dict(num_kv_blocks=128, max_num_seqs=16)
+ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16}
 # CHAT_TEMPLATE, plus the tool names when a request gives tools (for /tokenize's `tools`)
 TEMPLATE = ("{% if tools %}# tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}"
             + CHAT_TEMPLATE)
@@ -402,6 +402,9 @@ def test_server_flags(default_model, tokenizer):
         m = timed["metrics"]
         assert 0 < m["time_to_first_token_ms"] <= elapsed_ms and 0 <= m["generation_time_ms"] <= elapsed_ms
         assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / 5) and m["tokens_per_second"] > 0
+        last = list(chunks_of(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3,
+                                                                   "stream": True}).iter_lines()))[-1]
+        assert last["choices"] == [] and last["metrics"]["time_to_first_token_ms"] > 0  # on the usage chunk
 
 
 def test_the_app_serves_on_a_unix_socket(default_model, tokenizer, tmp_path):

@@ -226,7 +226,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache held (vLLM's flag)")
     serve.add_argument("--enable-per-request-metrics", action="store_true",
-                       help='a "metrics" field with each answer\'s timings (answers that do not stream; vLLM\'s flag)')
+                       help='a "metrics" field with each answer\'s timings (a stream: on its usage chunk; vLLM\'s flag)')
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) for models without one")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the model (default: torch's); leave a core to the event loop and clients")

@@ -121,7 +121,7 @@ class Server:
     return_tokens_as_token_ids: bool = False  # the default of the request field of that name
     force_include_usage: bool = False  # every stream ends with a usage chunk, asked for or not
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
-    per_request_metrics: bool = False  # a "metrics" field with the request's timings (answers that do not stream)
+    per_request_metrics: bool = False  # a "metrics" field with the request's timings (a stream: on its usage chunk)
     load: ServerLoad = field(default_factory=ServerLoad)  # GET /load
 
 
@@ -240,7 +240,7 @@ async def complete(server: Server, body: CompletionRequest, request: Request) ->
     shown = shown_for(server, body, prompt_logprobs=body.prompt_logprobs is not None)
     chunks = Chunks(request_id, created, server.model_name, chat=False, top_logprobs=body.top_logprobs_wanted,
                     n=body.n, echo=echo, prompts=list(prompts), token_ids=shown.token_ids,
-                    as_token_ids=shown.as_token_ids, cached_tokens=shown.cached_tokens)
+                    as_token_ids=shown.as_token_ids, cached_tokens=shown.cached_tokens, metrics=shown.metrics)
     respond = partial(completion_response, request_id=request_id, created=created, model=server.model_name,
                       top_logprobs=body.top_logprobs_wanted, echo=echo, show_prompt_logprobs=shown.prompt_logprobs,
                       shown=shown)
@@ -262,7 +262,8 @@ async def chat(server: Server, body: ChatCompletionRequest, request: Request) ->
     shown = shown_for(server, body, prompt_logprobs=body.prompt_logprobs is not None or body.echo)
     chunks = Chunks(request_id, created, server.model_name, chat=True, top_logprobs=body.top_logprobs_wanted,
                     n=body.n, prompts=[prompt], role=body.answer_role, chat_echo=body.echoed,
-                    token_ids=shown.token_ids, as_token_ids=shown.as_token_ids, cached_tokens=shown.cached_tokens)
+                    token_ids=shown.token_ids, as_token_ids=shown.as_token_ids, cached_tokens=shown.cached_tokens,
+                    metrics=shown.metrics)
     respond = partial(chat_response, request_id=request_id, created=created, model=server.model_name,
                       top_logprobs=body.top_logprobs_wanted, shown=shown, role=body.answer_role, echo=body.echoed)
     return await answer(server, streams, chunks, body, request, respond)

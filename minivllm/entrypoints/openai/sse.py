@@ -36,6 +36,7 @@ from minivllm.entrypoints.openai.responses import (
     completion_logprobs,
     echoed_logprobs,
     joined,
+    request_metrics,
     usage,
 )
 from minivllm.request.outputs import RequestOutput
@@ -126,6 +127,7 @@ class Chunks:
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's ids first, then each chunk's new ids
     as_token_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     cached_tokens: bool = False  # --enable-prompt-tokens-details: the usage chunk's prompt_tokens_details
+    metrics: bool = False  # --enable-per-request-metrics: the request's timings on the usage chunk (vLLM's place)
     # Per choice, the text offset of its next token's logprobs: counting them again from the
     # first token at every chunk would make a stream's cost grow with the square of its length.
     text_offsets: dict[int, int] = field(default_factory=dict)
@@ -212,7 +214,10 @@ class Chunks:
     def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage is set: no choices, the counts of
         every prompt (the last output of each)."""
-        return self._chunk([]) | {"usage": usage(outputs, self.cached_tokens)}
+        chunk = self._chunk([]) | {"usage": usage(outputs, self.cached_tokens)}
+        if self.metrics and len(outputs) == 1 and len(outputs[0].outputs) == 1:  # one completion: one request's
+            chunk["metrics"] = request_metrics(outputs[0])
+        return chunk
 
 
 async def stream_events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunks: Chunks,
