@@ -372,7 +372,7 @@ def test_max_logprobs_is_the_servers_setting(default_model):
         answer = c.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=3,
                                       extra_body={"ignore_eos": True})
         assert len(answer.choices[0].logprobs.tokens) == 2
-    for bad in (-1, 2.0, True, "20"):
+    for bad in (-2, 2.0, True, "20"):  # (-1 lifts the cap, as in vLLM)
         with pytest.raises(ValueError, match="max_logprobs"):
             threaded.build_app(LLMEngine(default_model, num_kv_blocks=8), MODEL, max_logprobs=bad)
 

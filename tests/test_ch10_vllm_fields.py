@@ -369,10 +369,12 @@ def test_load_counts_requests_in_flight_and_orca_reports_the_engines_load(http):
 def test_server_flags(default_model, tokenizer):
     """--root-path (routes with and without the prefix, the key still wanted under it),
     --return-tokens-as-token-ids (the default a request may override), --enable-force-include-usage,
-    --enable-prompt-tokens-details (cached tokens: the prompt's full blocks, the second time) and
-    --enable-per-request-metrics, through build_app's keywords (what the CLI passes)."""
+    --enable-prompt-tokens-details (cached tokens: the prompt's full blocks, the second time),
+    --enable-per-request-metrics and --max-logprobs -1 (no cap: -1 asks for the whole vocabulary),
+    through build_app's keywords (what the CLI passes)."""
     engine = LLMEngine(default_model, tokenizer=tokenizer, block_size=16, enable_prefix_caching=True, **ENGINE)
-    with threaded.running_server(engine, MODEL, api_key=KEY, root_path="/api", return_tokens_as_token_ids=True,
+    with threaded.running_server(engine, MODEL, api_key=KEY, root_path="/api", max_logprobs=-1,
+                                 return_tokens_as_token_ids=True,
                                  enable_force_include_usage=True, enable_prompt_tokens_details=True,
                                  enable_per_request_metrics=True) as (url, _), \
             httpx.Client(base_url=url, timeout=TIMEOUT, trust_env=False,
@@ -402,6 +404,15 @@ def test_server_flags(default_model, tokenizer):
         m = timed["metrics"]
         assert 0 < m["time_to_first_token_ms"] <= elapsed_ms and 0 <= m["generation_time_ms"] <= elapsed_ms
         assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / 5) and m["tokens_per_second"] > 0
+        # --max-logprobs -1 lifts the cap: -1 then asks for the whole distribution (vLLM's)
+        vocab = answer(http.get("/server_info"))["vocab_size"]
+        whole = api.chat.completions.create(model=MODEL, messages=CHAT[:1], max_tokens=2, logprobs=True, top_logprobs=-1,
+                                            extra_body={"prompt_logprobs": -1})
+        for token in whole.choices[0].logprobs.content:
+            assert len(token.top_logprobs) == vocab
+            assert sum(torch.tensor([t.logprob for t in token.top_logprobs], dtype=torch.float64).exp()) == \
+                pytest.approx(1.0, abs=1e-4)
+        assert all(len(entry) == vocab for entry in whole.model_extra["prompt_logprobs"][1:])
         last = list(chunks_of(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3,
                                                                    "stream": True}).iter_lines()))[-1]
         assert last["choices"] == [] and last["metrics"]["time_to_first_token_ms"] > 0  # on the usage chunk

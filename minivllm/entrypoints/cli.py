@@ -214,7 +214,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="static: batches of --static-batch-size that run until their longest request is done")
     serve.add_argument("--static-batch-size", type=int, default=16)
     serve.add_argument("--max-logprobs", type=int, default=20,
-                       help="the most logprobs alternatives a request may ask for (more: 400), as vLLM's")
+                       help="the most logprobs alternatives a request may ask for (more: 400; -1: no cap), as vLLM's")
     serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                        help="larger request bodies are refused (413) before they are read (default 4 MiB)")
     serve.add_argument("--api-key", default=None,

@@ -135,15 +135,15 @@ def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 
     or an AsyncLLM, whose core runs in a process of its own (chapter 15; it brings its own
     max_waiting, and static batches are chapter 10's only). `model_name` is what requests must
     name in "model"; max_logprobs: the most alternatives per token a request may ask for (more
-    is a 400); api_key: None leaves the server open, a key makes every /v1 route want it;
-    max_request_bytes: larger request bodies are a 413, refused before they are read. vLLM's
-    flags: root_path, the prefix a proxy in front of the server adds to every path (routes answer
+    is a 400; -1: no cap, so that -1, the whole vocabulary, may be asked for); api_key: None
+    leaves the server open, a key makes every /v1 route want it; max_request_bytes: larger
+    request bodies are a 413, refused before they are read. vLLM's flags: root_path, the prefix a proxy in front of the server adds to every path (routes answer
     with and without it); return_tokens_as_token_ids, the default of the request field;
     enable_force_include_usage, a usage chunk at the end of every stream;
     enable_prompt_tokens_details, usage.prompt_tokens_details.cached_tokens;
     enable_per_request_metrics, the request's timings in a "metrics" field."""
-    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
-        raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no cap, got {max_logprobs!r}")
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
     if api_key is not None:
@@ -428,7 +428,7 @@ def checked_params(server: Server, body: CompletionRequest | ChatCompletionReque
     """What both generating routes check first: the model (404), the logprobs asked for and the
     sampling parameters (400); returns the request's SamplingParams."""
     check_model(server, body.model)
-    body.check_logprobs(server.max_logprobs)
+    body.check_logprobs(server.max_logprobs, server.engine.engine_info()["vocab_size"])
     return bad_request_unless(body.sampling_params)
 
 

@@ -120,15 +120,20 @@ def check_max_tokens(name: str, max_tokens: int | None, num_prompt_tokens: int, 
                        param=name)
 
 
-def check_logprobs(name: str, value: int | None, limit: int, kind: str = "sample") -> None:
-    """A server caps how many alternatives a token may come with (`--max-logprobs`, vLLM's 20):
-    each one is a row of the top-k the sampler sorts out and a line of JSON for every token."""
+def check_logprobs(name: str, value: int | None, limit: int, vocab_size: int, kind: str = "sample") -> int | None:
+    """A server caps how many alternatives a token may come with (`--max-logprobs`, vLLM's 20;
+    -1: no cap): each one is a row of the top-k the sampler sorts out and a line of JSON for
+    every token. Returns the value, with vLLM's -1 ("every token of the vocabulary") as the
+    vocabulary's size, which the cap must allow."""
     if value == -1:
-        raise APIError(400, f"{name}=-1 asks for every token of the vocabulary, which this server does not serve: "
-                            f"ask for at most {limit} (the server's --max-logprobs)", param=name)
-    if value is not None and value > limit:
+        if limit != -1 and vocab_size > limit:
+            raise APIError(400, f"{name}=-1 asks for every token of the vocabulary ({vocab_size}), more than the "
+                                f"{limit} the server allows (its --max-logprobs; -1 lifts the cap)", param=name)
+        return vocab_size
+    if value is not None and limit != -1 and value > limit:
         raise APIError(400, f"Requested {kind} logprobs of {value}, which is greater than max allowed: {limit} "
                             f"(the server's --max-logprobs)", param=name)
+    return value
 
 
 class StreamOptions(Lenient):
@@ -335,9 +340,10 @@ class CompletionRequest(SamplingFields):
         """echo with max_tokens 0: the prompt and its logprobs, nothing generated."""
         return self.echo and self.max_tokens == 0
 
-    def check_logprobs(self, limit: int) -> None:
-        check_logprobs("logprobs", self.logprobs, limit)
-        check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, kind="prompt")
+    def check_logprobs(self, limit: int, vocab_size: int) -> None:
+        """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
+        self.logprobs = check_logprobs("logprobs", self.logprobs, limit, vocab_size)
+        self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for values the engine refuses (say temperature=-1). The engine
@@ -439,9 +445,10 @@ class ChatCompletionRequest(SamplingFields):
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
 
-    def check_logprobs(self, limit: int) -> None:
-        check_logprobs("top_logprobs", self.top_logprobs, limit)
-        check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, kind="prompt")
+    def check_logprobs(self, limit: int, vocab_size: int) -> None:
+        """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
+        self.top_logprobs = check_logprobs("top_logprobs", self.top_logprobs, limit, vocab_size)
+        self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for values the engine refuses, or contradictory fields. With echo
