@@ -390,8 +390,9 @@ def test_server_flags(default_model, tokenizer):
         texts = api.completions.create(model=MODEL, prompt="x = [", max_tokens=3, temperature=0, logprobs=1,
                                        extra_body={"return_tokens_as_token_ids": False})
         assert "".join(texts.choices[0].logprobs.tokens) == texts.choices[0].text
-        streamed = list(api.completions.create(model=MODEL, prompt="x", max_tokens=3, stream=True))
+        streamed = list(api.chat.completions.create(model=MODEL, messages=CHAT[:1], max_tokens=3, stream=True))
         assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 3  # not asked for
+        assert [c.usage.completion_tokens for c in streamed] == [0, 1, 2, 3, 3]  # in every chunk, as vLLM's
         prompt = "import os\nimport sys\n\ndef main(argv):\n    for name in argv:\n        print(name)\n" * 2
         first, second = (api.completions.create(model=MODEL, prompt=prompt, max_tokens=2) for _ in range(2))
         prompt_tokens = first.usage.prompt_tokens

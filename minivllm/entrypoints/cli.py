@@ -222,7 +222,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help='logprobs name tokens "token_id:<id>" unless a request says otherwise (vLLM\'s flag)')
     serve.add_argument("--enable-force-include-usage", action="store_true",
-                       help="every stream ends with a usage chunk, asked for or not (vLLM's flag)")
+                       help="every stream carries usage, asked for or not: in every chunk and at the end (vLLM's flag)")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache held (vLLM's flag)")
     serve.add_argument("--enable-per-request-metrics", action="store_true",

@@ -119,7 +119,7 @@ class Server:
     static_batch_size: int | None
     max_logprobs: int
     return_tokens_as_token_ids: bool = False  # the default of the request field of that name
-    force_include_usage: bool = False  # every stream ends with a usage chunk, asked for or not
+    force_include_usage: bool = False  # every stream carries usage (every chunk, and a last chunk), asked for or not
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     per_request_metrics: bool = False  # a "metrics" field with the request's timings (a stream: on its usage chunk)
     load: ServerLoad = field(default_factory=ServerLoad)  # GET /load
@@ -139,7 +139,7 @@ def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 
     leaves the server open, a key makes every /v1 route want it; max_request_bytes: larger
     request bodies are a 413, refused before they are read. vLLM's flags: root_path, the prefix a proxy in front of the server adds to every path (routes answer
     with and without it); return_tokens_as_token_ids, the default of the request field;
-    enable_force_include_usage, a usage chunk at the end of every stream;
+    enable_force_include_usage, usage in every stream, asked for or not;
     enable_prompt_tokens_details, usage.prompt_tokens_details.cached_tokens;
     enable_per_request_metrics, the request's timings in a "metrics" field."""
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:

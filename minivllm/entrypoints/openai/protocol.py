@@ -290,10 +290,11 @@ class SamplingFields(Lenient):
     def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
         """vLLM's rule for usage in a stream: (a usage chunk before [DONE], the counts so far in
         every chunk). continuous_usage_stats only adds to include_usage: alone, it sends nothing.
-        force: the server's --enable-force-include-usage, as if every request set include_usage."""
+        force: the server's --enable-force-include-usage, which sends both, whatever was asked."""
+        if force:
+            return True, True
         options = self.stream_options or StreamOptions()
-        include = options.include_usage or force
-        return include, include and options.continuous_usage_stats
+        return options.include_usage, options.include_usage and options.continuous_usage_stats
 
     def logprobs_as_token_ids(self, default: bool) -> bool:
         """return_tokens_as_token_ids, or the server's --return-tokens-as-token-ids when not given."""
