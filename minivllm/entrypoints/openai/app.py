@@ -137,8 +137,9 @@ def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 
     name in "model"; max_logprobs: the most alternatives per token a request may ask for (more
     is a 400; -1: no cap, so that -1, the whole vocabulary, may be asked for); api_key: None
     leaves the server open, a key makes every /v1 route want it; max_request_bytes: larger
-    request bodies are a 413, refused before they are read. vLLM's flags: root_path, the prefix a proxy in front of the server adds to every path (routes answer
-    with and without it); return_tokens_as_token_ids, the default of the request field;
+    request bodies are a 413, refused before they are read. vLLM's flags: root_path, the prefix
+    a proxy in front of the server adds to every path (routes answer with and without it);
+    return_tokens_as_token_ids, the default of the request field;
     enable_force_include_usage, usage in every stream, asked for or not;
     enable_prompt_tokens_details, usage.prompt_tokens_details.cached_tokens;
     enable_per_request_metrics, the request's timings in a "metrics" field."""

@@ -25,7 +25,8 @@ from minivllm.engine.metrics import ServerMetrics
 FORMAT_HEADER = "endpoint-load-metrics-format"  # what the client asks for: text or json
 REPORT_HEADER = "endpoint-load-metrics"
 # ORCA's named metrics, from the server's own gauges (the vllm: series of the same names)
-ORCA_METRICS = {"kv_cache_usage_perc": "minivllm_kv_cache_usage", "num_requests_waiting": "minivllm_num_requests_waiting"}
+ORCA_METRICS = {"kv_cache_usage_perc": "minivllm_kv_cache_usage",
+                "num_requests_waiting": "minivllm_num_requests_waiting"}
 
 
 class ServerLoad:

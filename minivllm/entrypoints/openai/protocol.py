@@ -14,9 +14,13 @@ the names OpenAI and vLLM define, they accept what vLLM accepts (issue 36: clien
   `tools`, `logit_bias`, vLLM's `allowed_token_ids` and `bad_words`, a `best_of` above `n`, ...)
   are a 400 that names them when given a value, never silently dropped.
 Besides OpenAI's fields, the requests take vLLM's extra sampling fields (top_k, min_p,
-min_tokens, repetition_penalty, ignore_eos, stop_token_ids, truncate_prompt_tokens,
-add_special_tokens, request_id, the older guided_* names of structured_outputs), which the
-openai client sends through `extra_body`.
+min_tokens, repetition_penalty, ignore_eos, stop_token_ids, truncate_prompt_tokens and
+truncation_side, add_special_tokens, request_id, the older guided_* names of
+structured_outputs), what vLLM adds to the answer (return_token_ids,
+return_tokens_as_token_ids, prompt_logprobs) and, on chat, how the chat template ends the
+prompt (add_generation_prompt, continue_final_message) and echo; the openai client sends them
+through `extra_body`. A message may have any role (the template decides what it makes of it),
+and fields of a message nobody here reads are ignored, as in vLLM.
 
 A completion request may carry a batch of prompts (evaluation harnesses send them): each prompt
 becomes one engine request, and choice `prompt_index * n + completion_index` answers it. With
@@ -351,8 +355,8 @@ class CompletionRequest(SamplingFields):
         always generates at least one token: scoring a prompt (echo, max_tokens 0) generates
         one, and the answer leaves it out (prompt_only). Echoed logprobs are the prompt's
         logprobs, with as many alternatives as the completion's."""
-        if self.stream and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs cannot be streamed: ask for them without stream=true")
+        if self.stream and self.prompt_logprobs:  # (0, vLLM's too, is accepted: there is nothing to show)
+            raise ValueError("prompt_logprobs are not available when stream=true: ask for them without it")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 only with echo=true, to score the prompt)")
         if self.scores_only and self.min_tokens:
