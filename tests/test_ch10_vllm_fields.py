@@ -152,7 +152,8 @@ def test_any_role_reaches_the_template_and_unknown_message_fields_are_ignored(cl
     # a message without content renders as empty (vLLM's), and text parts join with newlines
     assert answer(http.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user"}]}))["tokens"] == \
         rendered(tokenizer, [{"role": "user", "content": ""}], add_generation_prompt=True)
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}},
+                                          {"type": "text", "text": "b"}]}]
     assert answer(http.post("/tokenize", json={"model": MODEL, "messages": parts}))["tokens"] == \
         rendered(tokenizer, [{"role": "user", "content": "a\nb"}], add_generation_prompt=True)
 

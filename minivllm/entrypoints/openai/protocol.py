@@ -371,6 +371,11 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(Lenient):
+    """A part of a message's content: text only (the models here read no images); other fields
+    of a part are ignored, as in a message."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     type: Literal["text"]
     text: str
 
