@@ -224,6 +224,7 @@ def test_fields_vllm_always_sends_are_there_as_null(http):
     for key in ("prompt_logprobs", "prompt_token_ids", "kv_transfer_params", "system_fingerprint"):
         assert key in chat_body and chat_body[key] is None
     assert "token_ids" in chat_body["choices"][0] and chat_body["choices"][0]["token_ids"] is None
+    assert "prompt_tokens_details" in chat_body["usage"] and chat_body["usage"]["prompt_tokens_details"] is None
     completion = answer(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}))
     for key in ("prompt_token_ids", "token_ids", "prompt_logprobs"):
         assert key in completion["choices"][0] and completion["choices"][0][key] is None

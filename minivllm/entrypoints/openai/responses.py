@@ -168,6 +168,14 @@ class Shown:
     metrics: bool = False  # --enable-per-request-metrics: the answer's timings (one completion only)
 
 
+def answer_usage(outputs: list[RequestOutput], shown: Shown) -> dict[str, Any]:
+    """A whole answer's usage: prompt_tokens_details is always there, null unless asked for
+    (vLLM's; stream chunks leave nulls out)."""
+    counts = usage(outputs, shown.cached_tokens)
+    counts.setdefault("prompt_tokens_details", None)
+    return counts
+
+
 def answer_metrics(outputs: list[RequestOutput], shown: Shown) -> dict[str, float | None] | None:
     """The per-request timings, when asked for and one completion makes them one request's."""
     if not shown.metrics or len(outputs) != 1 or len(outputs[0].outputs) != 1:
@@ -202,7 +210,7 @@ def completion_response(outputs: list[RequestOutput], request_id: str, created: 
                             "prompt_logprobs": prompt_logprobs(output) if shown.prompt_logprobs else None,
                             "prompt_token_ids": list(output.prompt_token_ids) if shown.token_ids else None})
     body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "service_tier": None, "system_fingerprint": None, "usage": usage(outputs, shown.cached_tokens),
+            "service_tier": None, "system_fingerprint": None, "usage": answer_usage(outputs, shown),
             "kv_transfer_params": None}
     metrics = answer_metrics(outputs, shown)
     return body if metrics is None else body | {"metrics": metrics}
@@ -232,7 +240,7 @@ def chat_response(outputs: list[RequestOutput], request_id: str, created: int, m
                             "token_ids": list(c.token_ids) if shown.token_ids else None})
     one = outputs[0] if len(outputs) == 1 else None
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "service_tier": None, "system_fingerprint": None, "usage": usage(outputs, shown.cached_tokens),
+            "service_tier": None, "system_fingerprint": None, "usage": answer_usage(outputs, shown),
             "prompt_logprobs": prompt_logprobs(one) if one is not None and shown.prompt_logprobs else None,
             "prompt_token_ids": list(one.prompt_token_ids) if one is not None and shown.token_ids else None,
             "kv_transfer_params": None}
