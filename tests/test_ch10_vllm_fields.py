@@ -469,3 +469,18 @@ def test_minivllm_serve_on_a_unix_socket_under_a_root_path(tmp_path):
         process.terminate()
         process.wait(30)
     assert process.returncode == 0
+
+
+def test_vllms_api_key_variable_is_read_after_minivllms(monkeypatch):
+    from minivllm.entrypoints.cli import build_parser, server_options
+
+    def key() -> str | None:
+        return server_options(build_parser().parse_args(["serve"]))["api_key"]
+
+    monkeypatch.delenv("MINIVLLM_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    assert key() == KEY
+    monkeypatch.setenv("MINIVLLM_API_KEY", "ours")
+    assert key() == "ours"
+    monkeypatch.setenv("MINIVLLM_API_KEY", "")  # set and empty: an open server, as before
+    assert key() is None

@@ -58,11 +58,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
     """`minivllm serve`'s server settings as build_app keywords. The API key comes from --api-key,
-    else from the environment variable MINIVLLM_API_KEY (a key in a command line shows in `ps`);
-    neither: the server is open."""
-    from minivllm.entrypoints.openai.auth import API_KEY_VARIABLE
+    else from the environment variable MINIVLLM_API_KEY (a key in a command line shows in `ps`),
+    else from vLLM's VLLM_API_KEY; none (or MINIVLLM_API_KEY empty): the server is open."""
+    from minivllm.entrypoints.openai.auth import API_KEY_VARIABLE, VLLM_API_KEY_VARIABLE
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+    api_key = args.api_key if args.api_key is not None else \
+        os.environ.get(API_KEY_VARIABLE, os.environ.get(VLLM_API_KEY_VARIABLE)) or None
     static_batch_size = args.static_batch_size if args.scheduler == "static" else None
     return dict(max_waiting=args.max_waiting, static_batch_size=static_batch_size, max_logprobs=args.max_logprobs,
                 api_key=api_key, max_request_bytes=args.max_request_bytes, root_path=args.root_path,
@@ -218,7 +219,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                        help="larger request bodies are refused (413) before they are read (default 4 MiB)")
     serve.add_argument("--api-key", default=None,
-                       help="every /v1 route wants `Authorization: Bearer KEY` (default: $MINIVLLM_API_KEY, else open)")
+                       help="every /v1 route wants `Authorization: Bearer KEY` (default: $MINIVLLM_API_KEY, else $VLLM_API_KEY, "
+                            "else open)")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help='logprobs name tokens "token_id:<id>" unless a request says otherwise (vLLM\'s flag)')
     serve.add_argument("--enable-force-include-usage", action="store_true",

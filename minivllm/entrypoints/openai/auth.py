@@ -1,5 +1,5 @@
 """Access control (chapter 10): `minivllm serve --api-key KEY` (or the environment variable
-MINIVLLM_API_KEY) makes every /v1 route want the header `Authorization: Bearer KEY`, as vLLM's
+MINIVLLM_API_KEY, else vLLM's VLLM_API_KEY) makes every /v1 route want the header `Authorization: Bearer KEY`, as vLLM's
 --api-key does. Without it the answer is 401 with OpenAI's error body. /health and /metrics stay
 open: load balancers and Prometheus ask them without credentials, and they hold no one's text.
 
@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from minivllm.entrypoints.openai.responses import error_body
 
 API_KEY_VARIABLE = "MINIVLLM_API_KEY"
+VLLM_API_KEY_VARIABLE = "VLLM_API_KEY"  # vLLM's name, read when MINIVLLM_API_KEY is not set: a vLLM deployment stays closed
 
 
 def check_api_key(api_key: object) -> None:
