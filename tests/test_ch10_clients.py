@@ -372,7 +372,7 @@ def test_max_logprobs_is_the_servers_setting(default_model):
         answer = c.completions.create(model=MODEL, prompt="x", max_tokens=2, logprobs=3,
                                       extra_body={"ignore_eos": True})
         assert len(answer.choices[0].logprobs.tokens) == 2
-    for bad in (-1, 2.0, True, "20"):
+    for bad in (-2, 2.0, True, "20"):  # (-1 lifts the cap, as in vLLM)
         with pytest.raises(ValueError, match="max_logprobs"):
             threaded.build_app(LLMEngine(default_model, num_kv_blocks=8), MODEL, max_logprobs=bad)
 
@@ -462,6 +462,8 @@ def test_serve_flags_reach_the_app():
                                                         "--scheduler", "static", "--static-batch-size", "4",
                                                         "--max-request-bytes", "1000"]))
     assert options == {"max_waiting": 512, "static_batch_size": 4, "max_logprobs": 5, "api_key": KEY,
-                       "max_request_bytes": 1000}
+                       "max_request_bytes": 1000, "root_path": "", "return_tokens_as_token_ids": False,
+                       "enable_force_include_usage": False, "enable_prompt_tokens_details": False,
+                       "enable_per_request_metrics": False}
     assert server_options(build_parser().parse_args(["serve"]))["max_request_bytes"] == 4 * 2**20
     assert server_options(build_parser().parse_args(["serve"]))["max_logprobs"] == 20  # vLLM's default

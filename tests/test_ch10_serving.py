@@ -168,8 +168,11 @@ BAD_COMPLETIONS = {
 }
 BAD_CHATS = {
     "no messages": ({"model": MODEL, "messages": []}, 400),
-    "unknown role": ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400),
-    "message without content": ({"model": MODEL, "messages": [{"role": "user"}]}, 400),
+    # any role goes to the template, and a message may leave out its content (vLLM's rules): but
+    # a role is a non-empty string, and content is text
+    "empty role": ({"model": MODEL, "messages": [{"role": "", "content": "hi"}]}, 400),
+    "role not a string": ({"model": MODEL, "messages": [{"role": 5, "content": "hi"}]}, 400),
+    "content not text": ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
     "top_logprobs without logprobs": ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                        "top_logprobs": 2}, 400),
 }

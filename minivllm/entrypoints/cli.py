@@ -58,14 +58,19 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
     """`minivllm serve`'s server settings as build_app keywords. The API key comes from --api-key,
-    else from the environment variable MINIVLLM_API_KEY (a key in a command line shows in `ps`);
-    neither: the server is open."""
-    from minivllm.entrypoints.openai.auth import API_KEY_VARIABLE
+    else from the environment variable MINIVLLM_API_KEY (a key in a command line shows in `ps`),
+    else from vLLM's VLLM_API_KEY; none (or MINIVLLM_API_KEY empty): the server is open."""
+    from minivllm.entrypoints.openai.auth import API_KEY_VARIABLE, VLLM_API_KEY_VARIABLE
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+    api_key = args.api_key if args.api_key is not None else \
+        os.environ.get(API_KEY_VARIABLE, os.environ.get(VLLM_API_KEY_VARIABLE)) or None
     static_batch_size = args.static_batch_size if args.scheduler == "static" else None
     return dict(max_waiting=args.max_waiting, static_batch_size=static_batch_size, max_logprobs=args.max_logprobs,
-                api_key=api_key, max_request_bytes=args.max_request_bytes)
+                api_key=api_key, max_request_bytes=args.max_request_bytes, root_path=args.root_path,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                enable_force_include_usage=args.enable_force_include_usage,
+                enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                enable_per_request_metrics=args.enable_per_request_metrics)
 
 
 def engine_core(args: argparse.Namespace) -> str:
@@ -136,9 +141,12 @@ def _serve(args: argparse.Namespace) -> None:
                  f"{ranks}, {str(model.dtype).removeprefix('torch.')}; the engine in a thread of this process")
     else:
         where = "the engine core in a process of its own (GET /server_info once it is up)"
+    address = f"the Unix socket {args.uds}" if args.uds else f"http://{args.host}:{args.port}{args.root_path}/v1"
     print(f"serving {name!r}: {where}; {args.scheduler} scheduler" + (f" (batches of {static})" if static else "")
-          + f"; http://{args.host}:{args.port}/v1" + ("; /v1 wants the API key" if options["api_key"] else ""))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+          + f"; {address}" + ("; /v1 wants the API key" if options["api_key"] else ""))
+    # --uds: uvicorn listens on the socket file instead of host:port (a proxy on the same machine
+    # connects to it; nothing on the network can)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     for stop in (signal.SIGTERM, signal.SIGINT):
         # uvicorn shuts down on these, then raises them again for the handler that was there before it:
@@ -168,6 +176,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, help="the name requests use (default: --model)")
     serve.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default) serves this machine only")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--uds", default=None, help="serve on this Unix socket file instead of --host and --port")
+    serve.add_argument("--root-path", default="",
+                       help="the path prefix a proxy in front adds (e.g. /api): routes answer with and without it")
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--num-kv-blocks", type=int, default=None, help="default: what the memory budget holds")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -204,11 +215,20 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="static: batches of --static-batch-size that run until their longest request is done")
     serve.add_argument("--static-batch-size", type=int, default=16)
     serve.add_argument("--max-logprobs", type=int, default=20,
-                       help="the most logprobs alternatives a request may ask for (more: 400), as vLLM's")
+                       help="the most logprobs alternatives a request may ask for (more: 400; -1: no cap), as vLLM's")
     serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                        help="larger request bodies are refused (413) before they are read (default 4 MiB)")
     serve.add_argument("--api-key", default=None,
-                       help="every /v1 route wants `Authorization: Bearer KEY` (default: $MINIVLLM_API_KEY, else open)")
+                       help="every /v1 route wants `Authorization: Bearer KEY` (default: $MINIVLLM_API_KEY, else $VLLM_API_KEY, "
+                            "else open)")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help='logprobs name tokens "token_id:<id>" unless a request says otherwise (vLLM\'s flag)')
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream carries usage, asked for or not: in every chunk and at the end (vLLM's flag)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache held (vLLM's flag)")
+    serve.add_argument("--enable-per-request-metrics", action="store_true",
+                       help='a "metrics" field with each answer\'s timings (a stream: on its usage chunk; vLLM\'s flag)')
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) for models without one")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the model (default: torch's); leave a core to the event loop and clients")

@@ -156,12 +156,17 @@ def is_single_prompt(prompts: Any) -> bool:
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], chat_template: str | None = None,
-                add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     """The messages rendered by the tokenizer's chat template (or `chat_template`), and the token
     ids of that text. The template writes the special tokens itself, so encoding adds none (a
-    BOS twice would change the prompt). Used by LLM.chat and the server's chat endpoint."""
+    BOS twice would change the prompt). Used by LLM.chat and the server's chat endpoint.
+    continue_final_message: the text ends inside the last message (whatever the template writes
+    after it is cut), so that the model continues it; tools: tool definitions for templates that
+    render them."""
     text = tokenizer.apply_chat_template(list(messages), chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tools=tools)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

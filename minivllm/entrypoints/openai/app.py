@@ -2,8 +2,11 @@
 
     POST /v1/completions        a prompt (text or token ids), or a batch of them -> completion(s)
     POST /v1/chat/completions   messages -> the checkpoint's chat template -> completion(s)
+    POST /v1/chat/completions/batch  vLLM's: a list of conversations -> one answer each
+    POST /invocations           SageMaker's: a chat or a completion request, told apart by its body
     GET  /v1/models             the one model this server serves (/v1/models/{id}: its card)
-    GET  /health                200 while the engine thread runs
+    GET  /health                200 while the engine thread runs (GET or POST /ping: the same, SageMaker's name)
+    GET  /load                  vLLM's: the generating requests in flight (load.py, with the ORCA header)
     POST /tokenize, /detokenize vLLM's: text or messages -> token ids, token ids -> text
     GET  /tokenizer_info        vLLM's: the tokenizer's class, special tokens, chat template
     GET  /version               the minivllm version
@@ -38,7 +41,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -46,6 +49,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from minivllm.engine.async_engine import (
@@ -64,8 +68,10 @@ from minivllm.entrypoints.openai.body_limit import (
     DEFAULT_MAX_REQUEST_BYTES,
     BodyLimitMiddleware,
 )
+from minivllm.entrypoints.openai.load import FORMAT_HEADER, ServerLoad, orca_header
 from minivllm.entrypoints.openai.protocol import (
     APIError,
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -74,6 +80,7 @@ from minivllm.entrypoints.openai.protocol import (
 )
 from minivllm.entrypoints.openai.responses import (
     Echo,
+    Shown,
     chat_response,
     completion_response,
     error_body,
@@ -111,23 +118,40 @@ class Server:
     max_waiting: int
     static_batch_size: int | None
     max_logprobs: int
+    return_tokens_as_token_ids: bool = False  # the default of the request field of that name
+    force_include_usage: bool = False  # every stream carries usage (every chunk, and a last chunk), asked for or not
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    per_request_metrics: bool = False  # a "metrics" field with the request's timings (a stream: on its usage chunk)
+    load: ServerLoad = field(default_factory=ServerLoad)  # GET /load
 
 
 def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 512,
               static_batch_size: int | None = None, max_logprobs: int = MAX_LOGPROBS,
-              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              root_path: str = "", return_tokens_as_token_ids: bool = False,
+              enable_force_include_usage: bool = False, enable_prompt_tokens_details: bool = False,
+              enable_per_request_metrics: bool = False) -> FastAPI:
     """The server for one engine: an LLMEngine stepped by a thread of this process (chapter 10),
     or an AsyncLLM, whose core runs in a process of its own (chapter 15; it brings its own
     max_waiting, and static batches are chapter 10's only). `model_name` is what requests must
     name in "model"; max_logprobs: the most alternatives per token a request may ask for (more
-    is a 400); api_key: None leaves the server open, a key makes every /v1 route want it;
-    max_request_bytes: larger request bodies are a 413, refused before they are read."""
-    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
-        raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+    is a 400; -1: no cap, so that -1, the whole vocabulary, may be asked for); api_key: None
+    leaves the server open, a key makes every /v1 route want it; max_request_bytes: larger
+    request bodies are a 413, refused before they are read. vLLM's flags: root_path, the prefix
+    a proxy in front of the server adds to every path (routes answer with and without it);
+    return_tokens_as_token_ids, the default of the request field;
+    enable_force_include_usage, usage in every stream, asked for or not;
+    enable_prompt_tokens_details, usage.prompt_tokens_details.cached_tokens;
+    enable_per_request_metrics, the request's timings in a "metrics" field."""
+    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no cap, got {max_logprobs!r}")
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
     if api_key is not None:
         check_api_key(api_key)
+    if not isinstance(root_path, str) or (root_path and (not root_path.startswith("/") or root_path.endswith("/"))):
+        raise ValueError(f"root_path must be empty or a path such as /api (a leading /, no trailing /), "
+                         f"got {root_path!r}")
     if isinstance(engine, AsyncLLM):
         if static_batch_size is not None:
             raise ValueError("static_batch_size is chapter 10's one-process server's: pass an LLMEngine")
@@ -136,7 +160,10 @@ def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 
         async_engine = AsyncEngine(engine, max_waiting, static_batch_size)
     async_engine.metrics.model_name = model_name  # the label of the vllm: series
     app = FastAPI(title="minivllm", lifespan=lifespan)
-    app.state.server = Server(async_engine, model_name, max_waiting, static_batch_size, max_logprobs)
+    app.root_path = root_path  # (vLLM sets it so; the constructor's argument is deprecated)
+    app.state.server = Server(async_engine, model_name, max_waiting, static_batch_size, max_logprobs,
+                              return_tokens_as_token_ids, enable_force_include_usage, enable_prompt_tokens_details,
+                              enable_per_request_metrics)
     app.state.engine = async_engine
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -198,40 +225,93 @@ routes = APIRouter()
 
 @routes.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    server = request.app.state.server
+    return await generating(request, complete(request.app.state.server, body, request))
+
+
+async def complete(server: Server, body: CompletionRequest, request: Request) -> Response:
     params = checked_params(server, body)
     pairs = await asyncio.to_thread(tokenized, server, body.prompts(), body.add_special_tokens,
-                                    body.truncate_prompt_tokens)
+                                    body.truncate_prompt_tokens, body.truncation_side)
     texts, prompts = zip(*pairs)
     check_fit(server, "max_tokens", body.max_tokens, prompts)
     request_id, created = f"cmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
     streams = await submit(server, request_id, list(prompts), params, request)
     tokenizer = server.engine.tokenizer
     echo = [echo_of(text, ids, tokenizer) for text, ids in zip(texts, prompts)] if body.echo else None
+    shown = shown_for(server, body, prompt_logprobs=body.prompt_logprobs is not None)
     chunks = Chunks(request_id, created, server.model_name, chat=False, top_logprobs=body.top_logprobs_wanted,
-                    n=body.n, echo=echo)
+                    n=body.n, echo=echo, prompts=list(prompts), token_ids=shown.token_ids,
+                    as_token_ids=shown.as_token_ids, cached_tokens=shown.cached_tokens, metrics=shown.metrics)
     respond = partial(completion_response, request_id=request_id, created=created, model=server.model_name,
-                      top_logprobs=body.top_logprobs_wanted, echo=echo,
-                      show_prompt_logprobs=body.prompt_logprobs is not None)
+                      top_logprobs=body.top_logprobs_wanted, echo=echo, show_prompt_logprobs=shown.prompt_logprobs,
+                      shown=shown)
     return await answer(server, streams, chunks, body, request, respond, prompt_only if body.scores_only else None)
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    server = request.app.state.server
+    return await generating(request, chat(request.app.state.server, body, request))
+
+
+async def chat(server: Server, body: ChatCompletionRequest, request: Request) -> Response:
     params = checked_params(server, body)
-    messages = [m.as_template_input() for m in body.messages]
-    prompt = await asyncio.to_thread(chat_prompt, server.engine.tokenizer, messages, server.model_name)
-    if body.truncate_prompt_tokens is not None:
-        prompt = truncated(server, prompt, body.truncate_prompt_tokens)
+    prompt = await conversation_ids(server, body)
     check_fit(server, *body.max_tokens_field, [prompt])
     request_id, created = f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
     streams = await submit(server, request_id, [prompt], params, request)
+    # vLLM shows the prompt's logprobs whenever they were computed: asked for, or for echo
+    shown = shown_for(server, body, prompt_logprobs=body.prompt_logprobs is not None or body.echo)
     chunks = Chunks(request_id, created, server.model_name, chat=True, top_logprobs=body.top_logprobs_wanted,
-                    n=body.n)
+                    n=body.n, prompts=[prompt], role=body.answer_role, chat_echo=body.echoed,
+                    token_ids=shown.token_ids, as_token_ids=shown.as_token_ids, cached_tokens=shown.cached_tokens,
+                    metrics=shown.metrics)
     respond = partial(chat_response, request_id=request_id, created=created, model=server.model_name,
-                      top_logprobs=body.top_logprobs_wanted)
+                      top_logprobs=body.top_logprobs_wanted, shown=shown, role=body.answer_role, echo=body.echoed)
     return await answer(server, streams, chunks, body, request, respond)
+
+
+@routes.post("/v1/chat/completions/batch")
+async def batch_chat_completions(body: BatchChatCompletionRequest, request: Request) -> Response:
+    """vLLM's: every conversation is one engine request (they run in the same steps); choice i
+    answers conversation i, usage counts them all."""
+    return await generating(request, batch_chat(request.app.state.server, body, request))
+
+
+async def batch_chat(server: Server, body: BatchChatCompletionRequest, request: Request) -> Response:
+    params = checked_params(server, body)
+    conversations = body.conversations()
+    prompts = [await conversation_ids(server, conversation) for conversation in conversations]
+    check_fit(server, *body.max_tokens_field, prompts)
+    request_id, created = f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
+    streams = await submit(server, request_id, prompts, params, request)
+    shown = shown_for(server, body, prompt_logprobs=False)
+    respond = partial(chat_response, request_id=request_id, created=created, model=server.model_name,
+                      top_logprobs=body.top_logprobs_wanted, shown=shown, role=[c.answer_role for c in conversations],
+                      echo=[c.echoed for c in conversations])
+    chunks = Chunks(request_id, created, server.model_name, chat=True)  # never used: a batch does not stream
+    return await answer(server, streams, chunks, body, request, respond)
+
+
+@routes.post("/invocations")
+async def invocations(request: Request) -> Response:
+    """SageMaker's one route for every request (vLLM's): a body with `messages` is a chat
+    request, one with `prompt` a completion request, each checked and answered as on its own
+    route."""
+    try:
+        body = await request.json()
+    except ValueError as err:
+        raise APIError(400, f"malformed JSON: {err}")
+    kind = None
+    if isinstance(body, dict):
+        kind = ChatCompletionRequest if "messages" in body else CompletionRequest if "prompt" in body else None
+    if kind is None:
+        raise APIError(400, "Cannot find a suitable handler for this request: /invocations takes a chat completion "
+                            "(a JSON object with `messages`) or a completion (a JSON object with `prompt`)")
+    try:
+        parsed = kind.model_validate(body)
+    except ValidationError as err:
+        raise RequestValidationError(err.errors())
+    return await (chat_completions if kind is ChatCompletionRequest else completions)(parsed, request)
 
 
 @routes.get("/v1/models")
@@ -259,8 +339,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         messages = [m.as_template_input() for m in body.messages]
         if not getattr(tokenizer, "chat_template", None):
             chat_prompt(tokenizer, messages, server.model_name)  # the 400 that says so
+        generation_prompt = body.add_generation_prompt and not body.continue_final_message
         try:
-            _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, None, body.add_generation_prompt)
+            _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, None, generation_prompt,
+                                             body.continue_final_message, body.tools)
         except Exception as err:
             raise APIError(400, f"the chat template could not render these messages: {err}", param="messages")
     else:
@@ -309,6 +391,18 @@ async def health(request: Request) -> Response:
     return JSONResponse(error_body(f"the engine is not running ({reason})", "engine_unavailable"), 503)
 
 
+@routes.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request) -> Response:
+    """SageMaker's health check: /health under the name it polls."""
+    return await health(request)
+
+
+@routes.get("/load")
+async def load(request: Request) -> dict[str, int]:
+    """vLLM's: how many generating requests are in flight (load.py)."""
+    return {"server_load": request.app.state.server.load.count}
+
+
 @routes.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.server.engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -335,8 +429,35 @@ def checked_params(server: Server, body: CompletionRequest | ChatCompletionReque
     """What both generating routes check first: the model (404), the logprobs asked for and the
     sampling parameters (400); returns the request's SamplingParams."""
     check_model(server, body.model)
-    body.check_logprobs(server.max_logprobs)
+    body.check_logprobs(server.max_logprobs, server.engine.engine_info()["vocab_size"])
     return bad_request_unless(body.sampling_params)
+
+
+async def generating(request: Request, work: Awaitable[Response]) -> Response:
+    """A generating route's response, counted in /load while it runs, with the ORCA load report
+    when the request asks for one (load.py)."""
+    server = request.app.state.server
+    response = await server.load.counted(work)
+    response.headers.update(orca_header(server.engine.metrics, request.headers.get(FORMAT_HEADER)))
+    return response
+
+
+def shown_for(server: Server, body: CompletionRequest | ChatCompletionRequest, prompt_logprobs: bool) -> Shown:
+    """What the answer shows besides the text: the request's fields and the server's flags."""
+    return Shown(body.top_logprobs_wanted, body.return_token_ids,
+                 body.logprobs_as_token_ids(server.return_tokens_as_token_ids), prompt_logprobs,
+                 server.prompt_tokens_details, server.per_request_metrics)
+
+
+async def conversation_ids(server: Server, body: ChatCompletionRequest) -> list[int]:
+    """The token ids of a chat request's messages through the chat template (in a worker
+    thread), cut by truncate_prompt_tokens if it asks."""
+    messages = [m.as_template_input() for m in body.messages]
+    prompt = await asyncio.to_thread(chat_prompt, server.engine.tokenizer, messages, server.model_name,
+                                     body.generation_prompt, body.continue_final_message)
+    if body.truncate_prompt_tokens is not None:
+        prompt = truncated(server, prompt, body.truncate_prompt_tokens, body.truncation_side)
+    return prompt
 
 
 def the_tokenizer(server: Server, model: str | None) -> Any:
@@ -349,11 +470,12 @@ def the_tokenizer(server: Server, model: str | None) -> Any:
 
 
 def tokenized(server: Server, prompts: list[str | list[int]], add_special_tokens: bool = True,
-              truncate: int | None = None) -> list[tuple[str | None, list[int]]]:
+              truncate: int | None = None, side: str = "left") -> list[tuple[str | None, list[int]]]:
     """Each prompt's (text or None, token ids), through the engine's own tokenize; a prompt it
     refuses is a 400 that says which one. add_special_tokens=False: a text prompt's tokens
     without the tokenizer's BOS and the like; truncate (vLLM's truncate_prompt_tokens): keep
-    only the prompt's last `truncate` tokens (-1: max_model_len), and echo those, not the text.
+    only `truncate` of the prompt's tokens (-1: max_model_len), its last ones (side "left") or its
+    first ("right"), and echo those, not the text.
     Slow for long texts: the routes call it in a worker thread."""
     tokenizer, pairs = server.engine.tokenizer, []
     for i, prompt in enumerate(prompts):
@@ -362,7 +484,7 @@ def tokenized(server: Server, prompts: list[str | list[int]], add_special_tokens
             if text is not None and tokenizer is not None and (not add_special_tokens or truncate is not None):
                 prompt = tokenizer.encode(text, add_special_tokens=add_special_tokens)  # checked below as ids
             if truncate is not None and not isinstance(prompt, str):
-                kept = truncated(server, prompt, truncate)
+                kept = truncated(server, prompt, truncate, side)
                 prompt, text = kept, (text if len(kept) == len(prompt) else None)  # echo: the tokens kept
             pairs.append((text, server.engine.tokenize(prompt)[1]))
         except ValueError as err:
@@ -370,12 +492,14 @@ def tokenized(server: Server, prompts: list[str | list[int]], add_special_tokens
     return pairs
 
 
-def truncated(server: Server, token_ids: list[int], keep: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: max_model_len of them)."""
+def truncated(server: Server, token_ids: list[int], keep: int, side: str = "left") -> list[int]:
+    """vLLM's truncate_prompt_tokens: `keep` tokens (-1: max_model_len of them), cut on the left
+    (the last ones stay, the default) or on the right (vLLM's truncation_side="right": the first ones)."""
     if keep == 0:
         raise APIError(400, "truncate_prompt_tokens must be at least 1 (or -1: the model's context)",
                        param="truncate_prompt_tokens")
-    return token_ids[-(server.engine.max_model_len if keep == -1 else keep):]
+    keep = server.engine.max_model_len if keep == -1 else keep
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
 
 
 def check_fit(server: Server, name: str, max_tokens: int | None, prompts: list[list[int]]) -> None:
@@ -426,7 +550,7 @@ async def answer(server: Server, streams: list[RequestStream], chunks: Chunks,
     shown = shown or (lambda output: output)
     if body.stream:
         outputs = ((i, shown(output)) async for i, output in merge(streams))
-        events = stream_events(outputs, chunks, body.include_usage, body.continuous_usage)
+        events = stream_events(outputs, chunks, *body.stream_usage(server.force_include_usage))
         return StreamingResponse(abort_if_left(server, streams, events), media_type="text/event-stream")
     try:
         outputs = await unless_disconnected(request, asyncio.gather(*(s.final() for s in streams)))
@@ -475,14 +599,16 @@ def echo_of(text: str | None, token_ids: list[int], tokenizer: Any) -> Echo:
     return Echo(tokenizer.decode(token_ids) if text is None else text, tokenizer.decode(token_ids[:1]))
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]], model_name: str) -> list[int]:
-    """The token ids of the messages rendered by the checkpoint's chat template, ending where
-    the assistant's answer starts (render_chat)."""
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]], model_name: str, generation_prompt: bool = True,
+                continue_final_message: bool = False) -> list[int]:
+    """The token ids of the messages rendered by the checkpoint's chat template (render_chat),
+    ending where the assistant's answer starts (generation_prompt), or inside the last message,
+    left open for the model to continue (continue_final_message)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, f"the model `{model_name}` has no chat template, so it cannot chat: use "
                             "/v1/completions, or start the server with --chat-template FILE")
     try:
-        return render_chat(tokenizer, messages)[1]
+        return render_chat(tokenizer, messages, None, generation_prompt, continue_final_message)[1]
     except Exception as err:  # templates refuse what they cannot render (say, two user turns in a row)
         raise APIError(400, f"the chat template could not render these messages: {err}", param="messages")
 

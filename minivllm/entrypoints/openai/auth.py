@@ -1,5 +1,5 @@
 """Access control (chapter 10): `minivllm serve --api-key KEY` (or the environment variable
-MINIVLLM_API_KEY) makes every /v1 route want the header `Authorization: Bearer KEY`, as vLLM's
+MINIVLLM_API_KEY, else vLLM's VLLM_API_KEY) makes every /v1 route want the header `Authorization: Bearer KEY`, as vLLM's
 --api-key does. Without it the answer is 401 with OpenAI's error body. /health and /metrics stay
 open: load balancers and Prometheus ask them without credentials, and they hold no one's text.
 
@@ -17,11 +17,13 @@ import hashlib
 import hmac
 
 from starlette.responses import JSONResponse
+from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.entrypoints.openai.responses import error_body
 
 API_KEY_VARIABLE = "MINIVLLM_API_KEY"
+VLLM_API_KEY_VARIABLE = "VLLM_API_KEY"  # vLLM's name, read when MINIVLLM_API_KEY is not set: a vLLM deployment stays closed
 
 
 def check_api_key(api_key: object) -> None:
@@ -32,8 +34,9 @@ def check_api_key(api_key: object) -> None:
 
 
 def protected(path: str) -> bool:
-    """The routes that want the key: everything under /v1."""
-    return path == "/v1" or path.startswith("/v1/")
+    """The routes that want the key: everything under /v1, and SageMaker's /invocations, which
+    generates as /v1 does. `path` is the route's path, after any --root-path."""
+    return path in ("/v1", "/invocations") or path.startswith("/v1/")
 
 
 class APIKeyMiddleware:
@@ -52,7 +55,7 @@ class APIKeyMiddleware:
         return matches and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and protected(scope["path"]) and not self.authorized(scope):
+        if scope["type"] == "http" and protected(get_route_path(scope)) and not self.authorized(scope):
             body = error_body("Incorrect or missing API key: send the header `Authorization: Bearer <key>`",
                               param="Authorization", code="invalid_api_key")
             await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)

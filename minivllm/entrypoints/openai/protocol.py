@@ -14,9 +14,13 @@ the names OpenAI and vLLM define, they accept what vLLM accepts (issue 36: clien
   `tools`, `logit_bias`, vLLM's `allowed_token_ids` and `bad_words`, a `best_of` above `n`, ...)
   are a 400 that names them when given a value, never silently dropped.
 Besides OpenAI's fields, the requests take vLLM's extra sampling fields (top_k, min_p,
-min_tokens, repetition_penalty, ignore_eos, stop_token_ids, truncate_prompt_tokens,
-add_special_tokens, request_id, the older guided_* names of structured_outputs), which the
-openai client sends through `extra_body`.
+min_tokens, repetition_penalty, ignore_eos, stop_token_ids, truncate_prompt_tokens and
+truncation_side, add_special_tokens, request_id, the older guided_* names of
+structured_outputs), what vLLM adds to the answer (return_token_ids,
+return_tokens_as_token_ids, prompt_logprobs) and, on chat, how the chat template ends the
+prompt (add_generation_prompt, continue_final_message) and echo; the openai client sends them
+through `extra_body`. A message may have any role (the template decides what it makes of it),
+and fields of a message nobody here reads are ignored, as in vLLM.
 
 A completion request may carry a batch of prompts (evaluation harnesses send them): each prompt
 becomes one engine request, and choice `prompt_index * n + completion_index` answers it. With
@@ -53,7 +57,10 @@ log = logging.getLogger("minivllm.entrypoints.openai")
 
 # Accepted and ignored, as vLLM ignores them: none changes what the model writes.
 IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "guided_decoding_backend",
-           "guided_whitespace_pattern", "prompt_cache_key", "safety_identifier", "spaces_between_special_tokens")
+           "guided_whitespace_pattern", "prompt_cache_key", "safety_identifier", "spaces_between_special_tokens",
+           # vLLM's disaggregated-serving handshake: here the connector (--kv-transfer-config) finds a
+           # prompt's K/V by its tokens, so there is nothing per request to pass (chapter 17)
+           "kv_transfer_params")
 # Would change the answer, and minivllm does not implement them: a value is a 400 naming the field.
 UNSUPPORTED = {
     "suffix": "text after the insertion point (fill-in-the-middle)",
@@ -64,6 +71,8 @@ UNSUPPORTED = {
     "tools": "tool calling", "functions": "function calling", "function_call": "function calling",
     "prediction": "predicted outputs", "audio": "audio output", "modalities": "output modalities",
     "use_beam_search": "beam search", "length_penalty": "beam search",
+    "logprob_token_ids": "logprobs of chosen token ids: the sampler reports the top-k alternatives only "
+                         "(top_logprobs)",
 }
 
 
@@ -115,12 +124,20 @@ def check_max_tokens(name: str, max_tokens: int | None, num_prompt_tokens: int, 
                        param=name)
 
 
-def check_logprobs(name: str, value: int | None, limit: int, kind: str = "sample") -> None:
-    """A server caps how many alternatives a token may come with (`--max-logprobs`, vLLM's 20):
-    each one is a row of the top-k the sampler sorts out and a line of JSON for every token."""
-    if value is not None and value > limit:
+def check_logprobs(name: str, value: int | None, limit: int, vocab_size: int, kind: str = "sample") -> int | None:
+    """A server caps how many alternatives a token may come with (`--max-logprobs`, vLLM's 20;
+    -1: no cap): each one is a row of the top-k the sampler sorts out and a line of JSON for
+    every token. Returns the value, with vLLM's -1 ("every token of the vocabulary") as the
+    vocabulary's size, which the cap must allow."""
+    if value == -1:
+        if limit != -1 and vocab_size > limit:
+            raise APIError(400, f"{name}=-1 asks for every token of the vocabulary ({vocab_size}), more than the "
+                                f"{limit} the server allows (its --max-logprobs; -1 lifts the cap)", param=name)
+        return vocab_size
+    if value is not None and limit != -1 and value > limit:
         raise APIError(400, f"Requested {kind} logprobs of {value}, which is greater than max allowed: {limit} "
                             f"(the server's --max-logprobs)", param=name)
+    return value
 
 
 class StreamOptions(Lenient):
@@ -198,7 +215,10 @@ class SamplingFields(Lenient):
     include_stop_str_in_output: bool | None = None
     best_of: int | None = None  # OpenAI's; only best_of == n (the default) is served: no completion is thrown away
     skip_special_tokens: bool = True  # the detokenizer always leaves special tokens out of the text
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep k prompt tokens (-1: max_model_len)
+    truncation_side: Literal["left", "right"] = "left"  # vLLM's: left keeps the last k tokens, right the first k
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>" (None: the server's)
     priority: int = 0  # accepted, and ignored: the scheduler serves first come, first served
     request_id: str | None = Field(default=None, min_length=1)  # names the request (ids and logs)
     tool_choice: Literal["none"] | None = None  # "none" asks for no tool: what every answer here is
@@ -221,6 +241,8 @@ class SamplingFields(Lenient):
         for key, value in data.items():
             if key in UNSUPPORTED and value is not None and value != [] and value != {}:
                 raise ValueError(f"`{key}` ({UNSUPPORTED[key]}) is not supported by minivllm")
+        if data.get("stream_options") and not data.get("stream"):
+            raise ValueError("stream_options can only be given with stream=true")
         ignored = sorted(k for k, v in data.items() if k in IGNORED and v is not None)
         if ignored:
             log.warning("The following fields were present in the request but ignored: %s", ignored)
@@ -269,13 +291,18 @@ class SamplingFields(Lenient):
             return self.structured_outputs.constraint()
         return self.response_format.constraint() if self.response_format is not None else None
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
+        """vLLM's rule for usage in a stream: (a usage chunk before [DONE], the counts so far in
+        every chunk). continuous_usage_stats only adds to include_usage: alone, it sends nothing.
+        force: the server's --enable-force-include-usage, which sends both, whatever was asked."""
+        if force:
+            return True, True
+        options = self.stream_options or StreamOptions()
+        return options.include_usage, options.include_usage and options.continuous_usage_stats
 
-    @property
-    def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+    def logprobs_as_token_ids(self, default: bool) -> bool:
+        """return_tokens_as_token_ids, or the server's --return-tokens-as-token-ids when not given."""
+        return default if self.return_tokens_as_token_ids is None else self.return_tokens_as_token_ids
 
 
 class CompletionRequest(SamplingFields):
@@ -318,17 +345,18 @@ class CompletionRequest(SamplingFields):
         """echo with max_tokens 0: the prompt and its logprobs, nothing generated."""
         return self.echo and self.max_tokens == 0
 
-    def check_logprobs(self, limit: int) -> None:
-        check_logprobs("logprobs", self.logprobs, limit)
-        check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, kind="prompt")
+    def check_logprobs(self, limit: int, vocab_size: int) -> None:
+        """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
+        self.logprobs = check_logprobs("logprobs", self.logprobs, limit, vocab_size)
+        self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for values the engine refuses (say temperature=-1). The engine
         always generates at least one token: scoring a prompt (echo, max_tokens 0) generates
         one, and the answer leaves it out (prompt_only). Echoed logprobs are the prompt's
         logprobs, with as many alternatives as the completion's."""
-        if self.stream and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs cannot be streamed: ask for them without stream=true")
+        if self.stream and self.prompt_logprobs:  # (0, vLLM's too, is accepted: there is nothing to show)
+            raise ValueError("prompt_logprobs are not available when stream=true: ask for them without it")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be at least 1 (0 only with echo=true, to score the prompt)")
         if self.scores_only and self.min_tokens:
@@ -343,19 +371,37 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(Lenient):
+    """A part of a message's content: text only (the models here read no images); other fields
+    of a part are ignored, as in a message."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """One message. Any role goes to the chat template, which decides what it makes of it (vLLM's
+    rule: "tool" or a role of the caller's own; a template that cannot render it is a 400). Other
+    fields of a message (tool_calls, reasoning, ...) are ignored, as vLLM ignores unknown ones; a
+    message without content renders as empty."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @property
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines (vLLM's "string" format)."""
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
     def as_template_input(self) -> dict[str, str]:
-        """The {"role", "content"} dict chat templates expect (text parts joined)."""
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+        """The {"role", "content"} dict chat templates expect."""
+        return {"role": self.role, "content": self.text}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -367,6 +413,36 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token; needs logprobs=true
     add_special_tokens: Literal[False] = False  # vLLM's; the chat template already writes them
+    # vLLM's chat template controls
+    add_generation_prompt: bool = True  # end the prompt where a new assistant message starts
+    continue_final_message: bool = False  # leave the last message open: the model continues it (a "prefill")
+    echo: bool = False  # the answer starts with the last message's content, when that message has the answer's role
+    prompt_logprobs: int | None = None  # log-probabilities of the rendered prompt's tokens
+
+    @model_validator(mode="after")
+    def one_way_to_end_the_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and "add_generation_prompt" in self.model_fields_set \
+                and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to true")
+        return self
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the template adds the assistant's header (continue_final_message leaves it out)."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+    @property
+    def answer_role(self) -> str:
+        """The role of the answer (vLLM's): the assistant's after a generation prompt, otherwise
+        the last message's, which the model continues."""
+        return "assistant" if self.generation_prompt else self.messages[-1].role
+
+    @property
+    def echoed(self) -> str:
+        """What echo puts before every answer: the last message's content if it has the answer's
+        role (the part of the message the client wrote), else nothing."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == self.answer_role else ""
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -379,19 +455,56 @@ class ChatCompletionRequest(SamplingFields):
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
 
-    def check_logprobs(self, limit: int) -> None:
-        check_logprobs("top_logprobs", self.top_logprobs, limit)
+    def check_logprobs(self, limit: int, vocab_size: int) -> None:
+        """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
+        self.top_logprobs = check_logprobs("top_logprobs", self.top_logprobs, limit, vocab_size)
+        self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
 
     def sampling_params(self) -> SamplingParams:
-        """Raises ValueError for values the engine refuses, or contradictory fields."""
+        """Raises ValueError for values the engine refuses, or contradictory fields. With echo
+        (and no stream), the prompt's logprobs come too, with top_logprobs alternatives (vLLM's)."""
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give max_completion_tokens or max_tokens (its older name), not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.stream and self.prompt_logprobs:
+            raise ValueError("prompt_logprobs are not available when stream=true")
         kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens_field[1]}
         if self.logprobs:
             kwargs["logprobs"] = self.top_logprobs_wanted  # 0: the chosen token's log-probability only
+        if self.prompt_logprobs is not None and not self.stream:
+            kwargs["prompt_logprobs"] = self.prompt_logprobs
+        elif self.echo and not self.stream:
+            kwargs["prompt_logprobs"] = self.top_logprobs or 0
         return SamplingParams(**kwargs)
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): the fields of a chat request, with `messages` a
+    list of conversations; choice i answers conversation i. One answer each (n=1), no stream."""
+
+    messages: list[list[ChatMessage]] = Field(min_length=1)  # type: ignore[assignment]
+
+    @field_validator("messages")
+    @classmethod
+    def no_empty_conversation(cls, value: list[list[ChatMessage]]) -> list[list[ChatMessage]]:
+        if any(not conversation for conversation in value):
+            raise ValueError("every conversation needs at least one message")
+        return value
+
+    @model_validator(mode="after")
+    def one_answer_each(self) -> BatchChatCompletionRequest:
+        if self.stream:
+            raise ValueError("batch chat completions do not stream: leave out stream (or set it to false)")
+        if self.n != 1:
+            raise ValueError(f"batch chat completions answer each conversation once: n must be 1, got {self.n}")
+        return self
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat request per conversation, with every other field as given (already checked)."""
+        fields = {name: getattr(self, name) for name in ChatCompletionRequest.model_fields if name != "messages"}
+        return [ChatCompletionRequest.model_construct(self.model_fields_set, messages=conversation, **fields)
+                for conversation in self.messages]
 
 
 class TokenizeRequest(Lenient):
@@ -402,12 +515,17 @@ class TokenizeRequest(Lenient):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # text prompts only: the chat template writes its own
     add_generation_prompt: bool = True  # messages only: end where the assistant's answer starts
+    continue_final_message: bool = False  # messages only: leave the last message open
+    tools: list[dict[str, Any]] | None = None  # messages only: tool definitions, for templates that render them
     return_token_strs: bool = False  # also each token's string, as the tokenizer spells it
 
     @model_validator(mode="after")
-    def one_input(self) -> "TokenizeRequest":
+    def one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give `prompt` (text) or `messages` (a chat), exactly one of them")
+        if self.continue_final_message and "add_generation_prompt" in self.model_fields_set \
+                and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to true")
         return self
 
 

@@ -36,6 +36,7 @@ from minivllm.entrypoints.openai.responses import (
     completion_logprobs,
     echoed_logprobs,
     joined,
+    request_metrics,
     usage,
 )
 from minivllm.request.outputs import RequestOutput
@@ -120,6 +121,13 @@ class Chunks:
     top_logprobs: int | None = None  # alternatives per token; None: the request asked for no logprobs
     n: int = 1  # completions per prompt: choice index = prompt index * n + completion index
     echo: list[Echo] | None = None  # completions only: one per prompt, sent first in each of its choices
+    prompts: list[list[int]] = field(default_factory=list)  # the prompts' token ids (usage, return_token_ids)
+    role: str = "assistant"  # chat: who speaks in the answer (the last message's role when it is continued)
+    chat_echo: str = ""  # chat: echo's start of the answer, sent after the role
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's ids first, then each chunk's new ids
+    as_token_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    cached_tokens: bool = False  # --enable-prompt-tokens-details: the usage chunk's prompt_tokens_details
+    metrics: bool = False  # --enable-per-request-metrics: the request's timings on the usage chunk (vLLM's place)
     # Per choice, the text offset of its next token's logprobs: counting them again from the
     # first token at every chunk would make a stream's cost grow with the square of its length.
     text_offsets: dict[int, int] = field(default_factory=dict)
@@ -130,12 +138,26 @@ class Chunks:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def opening(self) -> list[dict[str, Any]]:
-        """Chat streams first say who speaks, once per completion; completions start with text."""
+    def opening(self, continuous_usage: bool = False) -> list[dict[str, Any]]:
+        """Chat streams first say who speaks, once per completion (with the prompt's ids if asked,
+        and, with continuous usage, the counts before any token: vLLM's), then echo's start of
+        the answer; completions start with text."""
         if not self.chat:
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for i in range(self.n)]
+        prompt = len(self.prompts[0]) if self.prompts else 0
+        counts = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+        chunks = []
+        for i in range(self.n):
+            chunk = self._chunk([{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            if self.token_ids and self.prompts:
+                chunk["prompt_token_ids"] = list(self.prompts[0])
+            chunks.append(chunk | ({"usage": counts} if continuous_usage else {}))
+        for i in range(self.n if self.chat_echo else 0):
+            chunk = self._chunk([{"index": i, "delta": {"content": self.chat_echo}, "logprobs": None,
+                                  "finish_reason": None}])
+            chunks.append(chunk | ({"usage": counts} if continuous_usage else {}))
+        return chunks
 
     def delta(self, delta: Delta, output: RequestOutput, prompt: int = 0) -> dict[str, Any]:
         """One delta of prompt number `prompt` as a chunk; `output` (the one the delta came
@@ -151,29 +173,33 @@ class Chunks:
             completion = next(c for c in output.outputs if c.index == delta.index)
             first, last = delta.first_token, delta.first_token + len(delta.token_ids)
             if self.chat:
-                logprobs = chat_logprobs(completion, first, len(delta.token_ids), self.top_logprobs)
+                logprobs = chat_logprobs(completion, first, len(delta.token_ids), self.top_logprobs, self.as_token_ids)
             else:
                 offset = self.text_offsets.get(index, 0)
                 logprobs = completion_logprobs(completion.token_ids[first:last], completion.logprobs[first:last],
-                                               self.top_logprobs, offset)
+                                               self.top_logprobs, offset, as_token_ids=self.as_token_ids)
                 self.text_offsets[index] = offset + sum(map(len, logprobs["tokens"]))
                 if echo is not None:
-                    logprobs = joined(echoed_logprobs(output, echo, self.top_logprobs), logprobs)
+                    logprobs = joined(echoed_logprobs(output, echo, self.top_logprobs, self.as_token_ids), logprobs)
         text = delta.text if echo is None else echo.text + delta.text
         if self.chat:
             choice = {"index": index, "delta": {"content": text} if text else {}}
         else:
             choice = {"index": index, "text": text}
-        return self._chunk([choice | {"logprobs": logprobs, "finish_reason": delta.finish_reason,
-                                      "stop_reason": delta.stop_reason}])
+        choice |= {"logprobs": logprobs, "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        if self.token_ids:
+            choice["token_ids"] = list(delta.token_ids)
+            if not self.chat and delta.first_token == 0:  # a completion's first chunk: its prompt's ids too
+                choice["prompt_token_ids"] = list(output.prompt_token_ids)
+        return self._chunk([choice])
 
     def plain_event(self, delta: Delta, prompt: int = 0) -> str | None:
         """sse(self.delta(delta, output, prompt)) for the common chunk, text and no logprobs, made
         from a template: the chunk's fixed part is serialised once per stream and only the text
         (and, at the end, the reasons) per token. None where the chunk is not that plain (logprobs
-        asked for, or an echo still to send): then use delta()."""
+        asked for, token ids, or an echo still to send): then use delta()."""
         index = prompt * self.n + delta.index
-        if self.top_logprobs is not None or (self.echo is not None and index not in self.echoed):
+        if self.top_logprobs is not None or self.token_ids or (self.echo is not None and index not in self.echoed):
             return None
         if self._head is None:  # '{"id":...,"choices":[' : the chunk without its choice
             self._head = "data: " + to_json(self._chunk([]))[:-2]
@@ -188,17 +214,21 @@ class Chunks:
     def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage is set: no choices, the counts of
         every prompt (the last output of each)."""
-        return self._chunk([]) | {"usage": usage(outputs)}
+        chunk = self._chunk([]) | {"usage": usage(outputs, self.cached_tokens)}
+        if self.metrics and len(outputs) == 1 and len(outputs[0].outputs) == 1:  # one completion: one request's
+            chunk["metrics"] = request_metrics(outputs[0])
+        return chunk
 
 
 async def stream_events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunks: Chunks,
                         include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
     """The whole event stream of one request: the chunks of its prompts' outputs ((prompt
     index, output) pairs, interleaved as they come) as they are produced, the usage chunk if
-    asked for, then [DONE]. continuous_usage (vLLM's stream_options.continuous_usage_stats):
-    every chunk also carries the token counts so far, which load generators such as guidellm
-    read to time each token."""
-    for chunk in chunks.opening():
+    asked for, then [DONE]. continuous_usage (vLLM's stream_options.continuous_usage_stats, which
+    only counts with include_usage): every chunk also carries its choice's counts so far (its
+    prompt's tokens, its own generated tokens), which load generators such as guidellm read to
+    time each token."""
+    for chunk in chunks.opening(continuous_usage):
         yield sse(chunk)
     states: dict[int, StreamState] = {}  # per prompt
     last: dict[int, RequestOutput] = {}
@@ -209,9 +239,16 @@ async def stream_events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunk
             if event is None:
                 chunk = chunks.delta(delta, output, prompt)
                 if continuous_usage:
-                    chunk["usage"] = usage([last[p] for p in sorted(last)])
+                    chunk["usage"] = choice_usage(output, delta)
                 event = sse(chunk)
             yield event
     if include_usage and last:
         yield sse(chunks.usage([last[p] for p in sorted(last)]))
     yield DONE
+
+
+def choice_usage(output: RequestOutput, delta: Delta) -> dict[str, int]:
+    """vLLM's continuous usage of one choice: its prompt's tokens and its own tokens so far."""
+    prompt = len(output.prompt_token_ids)
+    completion = delta.first_token + len(delta.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
