@@ -22,7 +22,7 @@ from minivllm.worker.sampler import Sampler
 pytestmark = [pytest.mark.ch07, pytest.mark.floors]
 
 PROMPT = "def add(a, b):"
-ENGINE = dict(num_kv_blocks=128, max_num_seqs=8)
+ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 8}
 STEPS = 16
 
 

@@ -9,6 +9,11 @@ For row r of the logits:
 Masking and adding commute, so the order among the three does not matter; what matters is that
 all three come before the penalties, as in vLLM (a repetition penalty divides a biased logit).
 
+A row the edits would leave with no token at all (a whitelist disjoint from what the request's
+grammar allows at that step, a bad word that is the grammar's only way on) keeps its unedited
+logits for that step: there is no token that obeys both, and a token the grammar refuses would
+break the output's format (and the grammar's matcher), so the grammar's rule wins.
+
 The per-row work is host lists of (row, token) pairs, sent to the device in one copy (ints) and
 one more for the biases: the cost is the size of the lists, not of the vocabulary.
 """
@@ -80,4 +85,5 @@ def bias_logits(logits: torch.Tensor, params: Sequence[SamplingParams], pasts: S
     if bias_pairs:
         biased = biased.view(-1, 2)  # a dict's keys: each (row, token) once, so += adds every bias once
         out[biased[:, 0], biased[:, 1]] += to_device(np.array(biases, dtype=np.float32), out.device).to(out.dtype)
-    return out
+    nothing_left = out.amax(dim=-1, keepdim=True) == float("-inf")  # on the device: the host does not wait
+    return torch.where(nothing_left, logits, out)
