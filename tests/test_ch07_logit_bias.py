@@ -265,3 +265,13 @@ def test_speculation_gives_the_same_greedy_tokens(llm, spec):
             [e[t].logprob for e, t in zip(want.logprobs, want.token_ids)], abs=1e-4)
     stats = speculating.engine.core.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # guesses were made, some refused
+
+
+@pytest.mark.ch16
+def test_bad_words_under_async_scheduling(llm):
+    """Async scheduling plans step N+1 before step N's token is known; a multi-token bad word
+    needs that token, so while a request has bad words the steps run one after the other."""
+    overlapping = LLM(async_scheduling=True, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, bad_words=["the value"])
+    want = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert overlapping.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == want
