@@ -6,6 +6,8 @@ tokens follow the edited softmax; the edits come before the penalties, as in vLL
 speculative decoding the verifier samples from the same edited distribution."""
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 import torch
@@ -275,3 +277,30 @@ def test_bad_words_under_async_scheduling(llm):
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, bad_words=["the value"])
     want = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
     assert overlapping.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+@pytest.mark.ch15
+@pytest.mark.slow
+def test_the_edits_cross_to_a_core_process(llm):
+    """The frontend tokenizes bad_words; the token ids travel to the core process with the rest
+    of the params, and the core process samples what the in-thread core samples."""
+    from minivllm import LLMEngine
+
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, bad_words=["the value"],
+                            logit_bias={4000: 0.5}, allowed_token_ids=list(range(4096)))
+    want = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    without = dataclasses.replace(params, bad_words=None)
+    assert llm.generate(PROMPT, without, use_tqdm=False)[0].outputs[0].token_ids != want  # the words matter
+    engine = LLMEngine(multiprocess=True, **ENGINE)
+    try:
+        engine.add_request(request_id="r", prompt=PROMPT, params=params)
+        got = None
+        for _ in range(10 * STEPS):
+            for out in engine.step():
+                if out.finished:
+                    got = out.outputs[0].token_ids
+            if got is not None:
+                break
+    finally:
+        engine.shutdown()
+    assert got == want
