@@ -304,3 +304,76 @@ def test_the_edits_cross_to_a_core_process(llm):
     finally:
         engine.shutdown()
     assert got == want
+
+
+def tiny_pair(vocab: int) -> tuple[transformers.PreTrainedModel, object, object]:
+    """A target (also as transformers) and an unlike draft, over `vocab` tokens."""
+    from minivllm import load_model
+
+    config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=64, initializer_range=0.3, eos_token_id=None,
+                                      bos_token_id=None, tie_word_embeddings=False)
+    models = []
+    for seed in (0, 99):
+        torch.manual_seed(seed)
+        models.append(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    return models[0], load_model(models[0], device="cpu"), load_model(models[1], device="cpu")
+
+
+def edited_pairs_exact(hf_model, prompt: list[int], vocab: int, temperature: float, bias: dict[int, float],
+                       allowed: list[int]) -> torch.Tensor:
+    """P(second output token = a, third = b) when every step samples from transformers' logits
+    edited by the bias and the whitelist."""
+    def probs(tokens):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([tokens])).logits[0, -1].double()
+        for token, b in bias.items():
+            logits[token] += b
+        logits[[t for t in range(vocab) if t not in allowed]] = float("-inf")
+        return (logits / temperature).softmax(-1)
+    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
+    first = probs(prompt)
+    for t0 in range(vocab):
+        second = probs(prompt + [t0])
+        for t1 in range(vocab):
+            joint[t1] += first[t0] * second[t1] * probs(prompt + [t0, t1])
+    return joint
+
+
+@pytest.mark.ch12
+@pytest.mark.slow
+def test_speculation_samples_from_the_edited_distribution(monkeypatch):
+    """2,000 seeded requests, an unlike draft that knows nothing of the edits: the second and
+    third output tokens (verified guesses or their replacements) have the joint distribution of
+    transformers' edited logits, within 5 standard errors in every cell; a verifier that forgets
+    the edits fails the same check."""
+    from minivllm import LLMEngine
+
+    vocab, temperature, n, prompt = 6, 1.0, 2000, [1, 4, 2, 5]
+    bias, allowed = {2: 1.5, 4: -1.0, 0: 0.5}, [0, 1, 2, 4, 5]
+    hf_target, target, draft = tiny_pair(vocab)
+    exact = edited_pairs_exact(hf_target, prompt, vocab, temperature, bias, allowed)
+    tolerance = 5 * (exact * (1 - exact) / n).sqrt() + 1e-3
+
+    def sampled() -> torch.Tensor:
+        spec = {"model": draft, "num_speculative_tokens": 2, "disable_by_batch_size": None}
+        engine = LLMEngine(target, speculative_config=spec, max_num_seqs=256, num_kv_blocks=2048,
+                           enable_prefix_caching=False)
+        for i in range(n):
+            engine.add_request(prompt=prompt, params=SamplingParams(
+                max_tokens=4, temperature=temperature, seed=i, ignore_eos=True, logit_bias=bias,
+                allowed_token_ids=allowed))
+        counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+        for _ in range(10 * n):
+            for out in engine.step():
+                if out.finished:
+                    counts[out.outputs[0].token_ids[1], out.outputs[0].token_ids[2]] += 1
+            if not engine.has_unfinished_requests():
+                break
+        assert engine.core.speculator.stats.num_draft_tokens > n, "the second and third tokens were meant to be guessed"
+        return counts / n
+
+    assert ((sampled() - exact).abs() <= tolerance).all()
+    monkeypatch.setattr("minivllm.core.spec_decode.rejection.bias_logits", lambda logits, params, pasts: logits)
+    assert ((sampled() - exact).abs() > tolerance).any(), "the check cannot tell a verifier without the edits"
