@@ -18,8 +18,7 @@ requests decode one token at a time. Under a grammar (chapter 13) each verify ro
 the grammar stands after the guesses before it (`mask_guesses`); a request's logit_bias,
 allowed_token_ids and bad_words edit every verify row as the sampler would edit that position's
 row (bad words after the guesses before it), so the target distribution p is the one plain
-decoding samples from. Guesses never run past
-max_tokens or the context.
+decoding samples from. Guesses never run past max_tokens or the context.
 """
 from __future__ import annotations
 
