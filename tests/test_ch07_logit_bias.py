@@ -15,6 +15,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.loader import DEFAULT_MODEL, load_tokenizer
 from minivllm.request.bad_words import banned_tokens
 from minivllm.request.sequence import Sequence
+from minivllm.worker.logit_bias import bias_logits
 from minivllm.worker.sampler import Sampler
 
 pytestmark = [pytest.mark.ch07, pytest.mark.floors]
@@ -214,3 +215,15 @@ def test_the_bias_comes_before_the_repetition_penalty():
     params = SamplingParams(temperature=0, logit_bias={1: -1.0}, repetition_penalty=2.0)
     seq = Sequence("a", [1], params, max_model_len=100)  # token 1 is in the prompt
     assert Sampler()(torch.tensor([[0.3, 2.0, -5.0]]), [seq], set()).token_ids == [1]
+
+
+def test_a_row_the_edits_would_empty_keeps_its_logits():
+    """A whitelist whose only token a bad word bans leaves nothing: that row samples as if the
+    request had no edits (with a grammar, as the grammar alone allows); the other rows are edited."""
+    empty = SamplingParams(allowed_token_ids=[2], bad_words=["x"])
+    object.__setattr__(empty, "bad_words_token_ids", ((2,),))
+    biased = SamplingParams(logit_bias={0: -3.0})
+    logits = torch.stack([LOGITS, LOGITS])
+    got = bias_logits(logits, [empty, biased], [[], []])
+    assert torch.equal(got[0], LOGITS)
+    assert got[1, 0] == LOGITS[0] - 3 and torch.equal(got[1, 1:], LOGITS[1:])
