@@ -96,9 +96,9 @@ def test_ignored_fields_are_named_in_a_warning(server, caplog):
 
 
 @pytest.mark.parametrize("fields, named", [
-    ({"logit_bias": {"5": 1}}, "logit_bias"),
-    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    ({"bad_words": ["x"]}, "bad_words"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": "x"}, "bad_words"),
     ({"suffix": "end"}, "suffix"),
     ({"cache_salt": "s"}, "cache_salt"),
     ({"best_of": 3}, "best_of"),

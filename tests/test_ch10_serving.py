@@ -163,7 +163,7 @@ BAD_COMPLETIONS = {
     "a float for an integer": ({"model": MODEL, "prompt": "x", "max_tokens": 4.0}, 400),
     "stop of the wrong type": ({"model": MODEL, "prompt": "x", "stop": 7}, 400),
     "unknown field": ({"model": MODEL, "prompt": "x", "best_of_the_best": 2}, 400),
-    "unsupported OpenAI field": ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 1}}, 400),
+    "unsupported OpenAI field": ({"model": MODEL, "prompt": "x", "suffix": "end"}, 400),
     "unknown stream option": ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"x": 1}}, 400),
 }
 BAD_CHATS = {

@@ -196,9 +196,10 @@ class EngineCore:
 
     def plans_need_tokens(self) -> bool:
         """Whether the next step can be planned only once this step's tokens are known: while a
-        request has a grammar, its next mask depends on them (chapter 13)."""
-        return self.grammars is not None and any(g.params.structured_outputs is not None
-                                                 for g in self.requests.values())
+        request has a grammar, its next mask depends on them (chapter 13), and so do the tokens
+        its bad_words ban."""
+        return any((self.grammars is not None and g.params.structured_outputs is not None) or g.params.bad_words
+                   for g in self.requests.values())
 
     def schedule(self) -> SchedulerOutput | None:
         """Plan the next step; None when there is nothing to run."""

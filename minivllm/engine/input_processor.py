@@ -55,6 +55,7 @@ class InputProcessor:
             raise ValueError(f"request_id must be a non-empty string not starting with {AUTO_ID_PREFIX!r} (those are "
                              f"the engine's own), got {request_id!r}")
         text, token_ids = self.tokenize(prompt)
+        params = params.for_model(self.tokenizer, self.vocab_size)  # bad_words as token ids; ids in the vocabulary
         self.check_params(params, len(token_ids), request_id)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         return text, EngineCoreRequest(request_id, token_ids, params, arrival)

@@ -5,13 +5,16 @@ is refused like a value out of range, never converted. The sampler (sampler.py) 
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import numbers
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+from minivllm.request.bad_words import tokenize_bad_words
 from minivllm.structured_outputs.params import StructuredOutputsParams
 
 # Temperatures below this are greedy (vLLM's threshold): dividing logits by 1e-30 overflows
@@ -69,6 +72,41 @@ def _stop_string(name: str, value: Any) -> str:
     return value
 
 
+def _is_token_id(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 0
+
+
+def _token_ids(name: str, value: Any) -> tuple[int, ...] | None:
+    """allowed_token_ids: None, or a non-empty list of token ids (every bad item named at once)."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name} must be a list of token ids, got {type(value).__name__} {value!r}")
+    bad = [item for item in value if not _is_token_id(item)]
+    if bad:
+        raise ValueError(f"{name} must hold token ids (integers >= 0); these are not: {bad!r}")
+    if not value:
+        raise ValueError(f"{name} is empty: no token could ever be generated (leave it out to allow every token)")
+    return tuple(int(t) for t in value)
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """logit_bias: None, or a dict token id -> bias in [-100, 100] (OpenAI's range; vLLM clamps
+    to it silently, here a bias outside it is refused). Every bad key and value is named at once."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__} {value!r}")
+    bad_keys = [key for key in value if not _is_token_id(key)]
+    if bad_keys:
+        raise ValueError(f"logit_bias keys must be token ids (integers >= 0); these are not: {bad_keys!r}")
+    bad_values = {key: bias for key, bias in value.items()
+                  if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not -100 <= bias <= 100}
+    if bad_values:  # NaN fails the range check too
+        raise ValueError(f"logit_bias values must be numbers in [-100, 100]; these are not: {bad_values!r}")
+    return {int(key): float(bias) for key, bias in value.items()} or None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates: vLLM's SamplingParams, with its names, defaults and meanings.
@@ -91,6 +129,14 @@ class SamplingParams:
     structured_outputs (chapter 13): a StructuredOutputsParams that the output must fit (a JSON
     schema, a regex, a list of choices, a grammar); the grammar decides where the output may
     end, so min_tokens must stay 0.
+    logit_bias: token id -> a number in [-100, 100] added to that token's logit before
+    sampling (-100 all but bans it, 100 all but forces it); allowed_token_ids: only these
+    tokens may be sampled; bad_words: words that must not appear in the output: a word's last
+    token is banned wherever the output already ends with the tokens before it (each word
+    tokenized with and without a leading space, as vLLM does; see request/bad_words.py).
+    All three change what is sampled, not the reported logprobs, which stay the model's
+    (vLLM's default). Token ids are checked against the model's vocabulary when a request is
+    added (`for_model`), where the tokenizer turns bad_words into `bad_words_token_ids`.
 
     Every field is checked when the params are made: a value of the wrong type (a float for
     an integer, a string for a number, None where None means nothing, a dict for a list) is a
@@ -116,6 +162,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Seq[int] | None = None
+    bad_words: Seq[str] | None = None
+    # Each bad word as the token sequences to ban (for_model fills it: only the frontend has the
+    # tokenizer); it crosses to the engine core with the rest of the params.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, init=False, repr=False)
     # Greedy, nothing changes the logits, nothing to report: the sampler's fast path (min_tokens
     # is checked per sequence: it stops mattering once min_tokens are out). Worked out once
     # here, because the sampler asks for every row of every step.
@@ -164,9 +216,12 @@ class SamplingParams:
             if self.min_tokens:
                 raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: the "
                                  f"grammar alone decides where the output may end")
+        put("logit_bias", _logit_bias(self.logit_bias))
+        put("allowed_token_ids", _token_ids("allowed_token_ids", self.allowed_token_ids))
+        put("bad_words", _items("bad_words", self.bad_words, _stop_string))
         if self.greedy and self.n > 1:
             raise ValueError(f"n must be 1 when sampling greedily (the {self.n} completions would be identical)")
-        put("argmax_only", self.greedy and not self.penalised and self.logprobs is None)
+        put("argmax_only", self.greedy and not self.penalised and not self.edits_logits and self.logprobs is None)
 
     @property
     def greedy(self) -> bool:
@@ -175,3 +230,26 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the request changes its logits itself: a bias, a whitelist or bad words."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
+
+    def for_model(self, tokenizer: Any, vocab_size: int) -> SamplingParams:
+        """These params for one model (the input processor calls it when a request is added):
+        bad_words tokenized into bad_words_token_ids, and every token id they name checked
+        against the vocabulary [0, vocab_size), with a ValueError that lists each id outside it."""
+        params = self
+        if self.bad_words:
+            if tokenizer is None:
+                raise ValueError("bad_words need the model's tokenizer (they are text), and this model has none")
+            params = dataclasses.replace(self)
+            object.__setattr__(params, "bad_words_token_ids", tokenize_bad_words(self.bad_words, tokenizer))
+        named = {"logit_bias": list(params.logit_bias or ()), "allowed_token_ids": list(params.allowed_token_ids or ()),
+                 "bad_words": [t for word in params.bad_words_token_ids or () for t in word]}
+        outside = {name: sorted({t for t in ids if t >= vocab_size}) for name, ids in named.items()}
+        if any(outside.values()):
+            raise ValueError(f"token ids outside the model's vocabulary [0, {vocab_size}): "
+                             + "; ".join(f"{ids} in {name}" for name, ids in outside.items() if ids))
+        return params

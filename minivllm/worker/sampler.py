@@ -10,16 +10,17 @@ in vLLM's order:
 
 1. logprobs: log_softmax of the *raw* logits, if the request asked (what the model said,
    before anything below changed it, apart from a grammar's mask; vLLM's default);
-2. min_tokens: EOS and the stop tokens are made impossible until min_tokens are out;
-3. penalties: repetition (tokens of the prompt or the output), then frequency and presence
+2. the request's own edits (logit_bias.py): allowed_token_ids, bad_words, logit_bias;
+3. min_tokens: EOS and the stop tokens are made impossible until min_tokens are out;
+4. penalties: repetition (tokens of the prompt or the output), then frequency and presence
    (tokens of the output);
-4. greedy rows take the argmax here; the others are divided by their temperature,
-5. lose the tokens below min_p times the top probability, then keep top_k and top_p
+5. greedy rows take the argmax here; the others are divided by their temperature,
+6. lose the tokens below min_p times the top probability, then keep top_k and top_p
    (`filter_logits`),
-6. and draw.
+7. and draw.
 
-The common case skips all of it: when every row is greedy, with no penalty and no logprobs,
-a step is one argmax and one copy of the token ids to the host.
+The common case skips all of it: when every row is greedy, with no penalty, no edits of its
+own and no logprobs, a step is one argmax and one copy of the token ids to the host.
 
 To sample from probabilities p we use the "exponential race": draw E_i ~ Exp(1) for every
 token and pick argmax p_i / E_i, which picks token i with probability exactly p_i (the same
@@ -44,6 +45,7 @@ import torch
 from minivllm.request.logprobs import TopLogprobs, top_logprobs, unpack_logprobs
 from minivllm.request.sequence import Sequence
 from minivllm.structured_outputs.bitmask import constrain_logits
+from minivllm.worker.logit_bias import bias_logits, recent_output
 from minivllm.worker.penalties import PenaltyCounts, apply_penalties
 from minivllm.worker.prepare import to_device
 
@@ -183,6 +185,8 @@ class Sampler:
                              device)
         temperature, top_p, top_k, min_p, presence, frequency, repetition = settings.unbind(1)
 
+        if any(p.edits_logits for p in params):
+            x = bias_logits(x, params, [recent_output(seq.token_ids, seq.num_prompt_tokens, seq.params) for seq in seqs])
         rows, token_ids = stop_tokens_too_early(seqs, eos_token_ids)
         if rows:
             x = forbid_tokens(x, rows, token_ids)

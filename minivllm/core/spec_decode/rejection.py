@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.request.sampling_params import SamplingParams
+from minivllm.worker.logit_bias import bias_logits
 from minivllm.worker.sampler import apply_min_p, filter_logits
 
 
@@ -72,11 +73,15 @@ def rejection_sample(
     # END SOLUTION
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, params: SamplingParams, pasts: list[list[int]] | None = None) -> torch.Tensor:
     """The distribution the target would sample from at each row of `logits` [R, V] for a request
-    with these params: one-hot at the argmax when greedy; else softmax after temperature, min_p,
-    top_k and top_p, the sampler's own functions in the sampler's order. [R, V] float32."""
+    with these params: the request's own edits first (logit_bias, allowed_token_ids, bad_words
+    after pasts[r], row r's recent output: worker/logit_bias.py), then one-hot at the argmax when
+    greedy; else softmax after temperature, min_p, top_k and top_p, the sampler's own functions
+    in the sampler's order. [R, V] float32."""
     x = logits.float()
+    if params.edits_logits:
+        x = bias_logits(x, [params] * len(x), pasts if pasts is not None else [[]] * len(x))
     if params.greedy:
         return torch.zeros_like(x).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
     x = x / params.temperature

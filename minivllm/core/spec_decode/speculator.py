@@ -15,8 +15,10 @@ stop strings and max_tokens end a request exactly where plain decoding would.
 A sequence speculates only where exactness is simple: not while min_tokens still forbids its
 stop tokens, and not with penalties (both depend on the tokens before each position); those
 requests decode one token at a time. Under a grammar (chapter 13) each verify row is masked as
-the grammar stands after the guesses before it (`mask_guesses`). Guesses never run past
-max_tokens or the context.
+the grammar stands after the guesses before it (`mask_guesses`); a request's logit_bias,
+allowed_token_ids and bad_words edit every verify row as the sampler would edit that position's
+row (bad words after the guesses before it), so the target distribution p is the one plain
+decoding samples from. Guesses never run past max_tokens or the context.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from minivllm.request.logprobs import TopLogprobs, top_logprobs, unpack_logprobs
 from minivllm.request.messages import SpecDecodeStats
 from minivllm.request.sequence import SchedulerOutput, Sequence
 from minivllm.structured_outputs.bitmask import apply_token_bitmask, num_words
+from minivllm.worker.logit_bias import verify_pasts
 from minivllm.worker.sampler import Sampler, draw_rows
 
 
@@ -140,7 +143,8 @@ class Speculator:
         mask_guesses(logits, seqs, starts)  # chapter 13: each row as its grammar allows it, after the guesses before it
         for s, seq in enumerate(seqs):
             D, start = seq.num_spec_tokens, starts[s]
-            probs[s, :D + 1] = target_probs(logits[start:start + D + 1], seq.params)
+            pasts = verify_pasts(seq.token_ids, seq.num_prompt_tokens, D, seq.params)  # for bad_words
+            probs[s, :D + 1] = target_probs(logits[start:start + D + 1], seq.params, pasts)
             drafts[s, :D] = torch.tensor(seq.token_ids[-D:], device=device)
             if q is not None:  # a certain guess (greedy, or a lookup) is a one-hot q
                 q[s, :D] = self.draft_probs.get(seq, probs.new_zeros(D, V).scatter_(1, drafts[s, :D, None], 1.0))

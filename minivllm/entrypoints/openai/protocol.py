@@ -11,8 +11,8 @@ the names OpenAI and vLLM define, they accept what vLLM accepts (issue 36: clien
   `parallel_tool_calls`, vLLM's `guided_decoding_backend`, ...) are ignored, with a logged
   warning that names them, as vLLM does (`priority` too: the scheduler has no priorities);
 - OpenAI's fields that would change the answer and that minivllm does not implement (`suffix`,
-  `tools`, `logit_bias`, vLLM's `allowed_token_ids` and `bad_words`, a `best_of` above `n`, ...)
-  are a 400 that names them when given a value, never silently dropped.
+  `tools`, a `best_of` above `n`, ...) are a 400 that names them when given a value, never
+  silently dropped.
 Besides OpenAI's fields, the requests take vLLM's extra sampling fields (top_k, min_p,
 min_tokens, repetition_penalty, ignore_eos, stop_token_ids, truncate_prompt_tokens and
 truncation_side, add_special_tokens, request_id, the older guided_* names of
@@ -36,6 +36,7 @@ StructuredOutputsParams, on both endpoints; at most one of the two per request.
 from __future__ import annotations
 
 import logging
+import re
 import types
 import typing
 from typing import Any, Literal
@@ -64,9 +65,6 @@ IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "guided_d
 # Would change the answer, and minivllm does not implement them: a value is a 400 naming the field.
 UNSUPPORTED = {
     "suffix": "text after the insertion point (fill-in-the-middle)",
-    "logit_bias": "per-token logit biases",
-    "allowed_token_ids": "a whitelist of tokens (structured_outputs with a regex or choice restricts the output)",
-    "bad_words": "banned word sequences",
     "cache_salt": "prefix-cache isolation per salt",
     "tools": "tool calling", "functions": "function calling", "function_call": "function calling",
     "prediction": "predicted outputs", "audio": "audio output", "modalities": "output modalities",
@@ -231,6 +229,24 @@ class SamplingFields(Lenient):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
 
+    # -- issue 49, vLLM's request fields that edit the logits (worker/logit_bias.py) --------------
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key is a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+
+    def logit_edits(self) -> dict[str, Any]:
+        """The SamplingParams arguments of the three fields above. logit_bias's keys are token ids
+        written as JSON strings ("50256"): anything but digits is refused, every such key named."""
+        kwargs: dict[str, Any] = {name: getattr(self, name) for name in ("allowed_token_ids", "bad_words")
+                                  if getattr(self, name) is not None}
+        if self.logit_bias is not None:
+            bad = [key for key in self.logit_bias if not re.fullmatch(r"[0-9]+", key)]
+            if bad:
+                raise ValueError(f"logit_bias keys must be token ids written as strings of digits; these are not: {bad}")
+            kwargs["logit_bias"] = {int(key): bias for key, bias in self.logit_bias.items()}
+        return kwargs
+    # -- end of issue 49's logit fields ------------------------------------------------------------
+
     @model_validator(mode="before")
     @classmethod
     def names_vllm_accepts(cls, data: Any) -> Any:
@@ -266,6 +282,7 @@ class SamplingFields(Lenient):
         names = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                  "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
         kwargs = {name: getattr(self, name) for name in names if name in self.model_fields_set}
+        kwargs |= self.logit_edits()
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         constraint = self.constraint()
