@@ -89,6 +89,7 @@ class AsyncLLM:
     async def start(self) -> None:
         await self.client.start()
         self.input_processor = InputProcessor(self.tokenizer, self.client.info["vocab_size"], self.client.config)
+        self.metrics.describe_engine(self.client.info)
         self._reader = asyncio.create_task(self._read(), name="minivllm-core-reader")
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -128,7 +129,7 @@ class AsyncLLM:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self.output_processor.add_request(request, text)
-        self.metrics.request_started(request_id, request.arrival_time)
+        self.metrics.request_started(request_id, request.arrival_time, params)
         self._waiting += 1  # until the core's next count
         self.client.send(AddRequest(request))
         return stream
@@ -178,7 +179,7 @@ class AsyncLLM:
         self._waiting = stats.waiting
         self.metrics.step_outputs(outputs, time.perf_counter())
         self.metrics.engine_state(stats.running, stats.waiting, stats.kv_cache_usage, stats.prefix_queried_tokens,
-                                  stats.prefix_hit_tokens, stats.spec)
+                                  stats.prefix_hit_tokens, stats.spec, stats.num_preemptions, stats.waiting_deferred)
         if message.step_end:
             self.step_times.append((message.step_start, message.step_end))
 

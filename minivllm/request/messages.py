@@ -74,7 +74,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     TopLogprobs (as [token ids, logprobs, ranks], the chosen token first) per new token, if the
     request asked. prompt_logprobs: prompt positions' logprobs computed since the request's last
     output (position 0 as None), if it asked. finish_reason: "stop", "length" or None.
-    The counters are the sequence's totals so far (for RequestMetrics)."""
+    The counters are the sequence's totals so far (for RequestMetrics); scheduled_time is when
+    a step first gave it tokens (time.perf_counter(), as first_token_time)."""
 
     request_id: str
     index: int
@@ -88,11 +89,14 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    scheduled_time: float = 0.0
 
 
 class EngineCoreStats(msgspec.Struct, array_like=True):
     """The core's state after a step, for /metrics: requests running and waiting, the KV pool's
-    use (0-1), the prefix cache's running sums, speculation's totals."""
+    use (0-1), the prefix cache's running sums, speculation's totals, preemptions since the start,
+    and how many of the waiting requests wait for their grammar to compile rather than for room
+    (vLLM's "deferred" waiting; the rest wait for "capacity")."""
 
     running: int
     waiting: int
@@ -100,6 +104,8 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     spec: SpecDecodeStats | None = None
+    num_preemptions: int = 0
+    waiting_deferred: int = 0
 
 
 
