@@ -195,10 +195,14 @@ class ServerMetrics:
     def describe_engine(self, info: dict[str, Any]) -> None:
         """What the engine is (EngineCore.info(): its context, its KV cache), once it has started:
         vLLM's cache_config_info (a gauge at 1 whose labels are the facts) and the per-request
-        histograms, whose token edges reach max_model_len. A second call changes nothing."""
+        histograms, whose token edges reach max_model_len; the new scheduler series start at 0, as
+        vLLM's do, so a dashboard sees them before the first step. A second call changes nothing."""
         if self.requests is not None:
             return
         self.requests = RequestHistograms(self.registry, info["max_model_len"])
+        for reason in ("capacity", "deferred"):
+            self.vllm.waiting_by_reason.labels(self.model_name, reason).set(0)
+        self.vllm.preemptions.labels(self.model_name).inc(0)
         cache = {"block_size": str(info["block_size"]), "num_gpu_blocks": str(info["num_kv_blocks"]),
                  "enable_prefix_caching": str(bool(info.get("enable_prefix_caching"))),
                  "cache_dtype": str(info.get("environment", {}).get("dtype", "auto"))}
