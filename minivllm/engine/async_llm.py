@@ -46,6 +46,7 @@ from minivllm.request.messages import (
     Refused,
     StepOutputs,
     StopSequences,
+    Taken,
 )
 from minivllm.request.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._waiting = 0  # the core's count at its last message
+        self._steps_taken = 0  # the core's steps whose outputs have reached their streams
         self._reader: asyncio.Task | None = None
         self.step_times: deque[tuple[float, float]] = deque(maxlen=1000)  # the core's last steps (start, end)
 
@@ -182,6 +184,8 @@ class AsyncLLM:
                                   stats.prefix_hit_tokens, stats.spec, stats.num_preemptions, stats.waiting_deferred)
         if message.step_end:
             self.step_times.append((message.step_start, message.step_end))
+            self._steps_taken += 1
+            self.client.send(Taken(self._steps_taken))  # the core runs at most a step or two ahead (core/process.py)
 
     def _refused(self, message: Refused) -> None:
         stream = self._streams.pop(message.request_id, None)

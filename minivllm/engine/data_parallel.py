@@ -155,7 +155,8 @@ class DataParallelClient:
         return index
 
     def send(self, message: ToCore) -> None:
-        """A new request to the core route() picks; an abort or stop to the core that holds it."""
+        """A new request to the core route() picks; an abort or stop to the core that holds it.
+        (Taken is not passed on: the frontend counts all the cores' steps together, so each runs free.)"""
         if isinstance(message, AddRequest):
             index = self.route(message.request.prompt_token_ids)
             self.owner[message.request.request_id] = [index, message.request.params.n]

@@ -7,7 +7,8 @@ refuses a malformed message instead of running it. Why ZMQ: message framing, que
 other side is busy, and IPC sockets, with nothing to run in between.
 
 Frontend -> core: AddRequest, Abort (whole requests), StopSequences (completions that a stop
-string ended in the frontend), Shutdown. Core -> frontend: Ready once (then the resolved engine
+string ended in the frontend), Taken (how many steps' outputs the frontend has taken in: the
+core runs at most a step or two ahead of a frontend that says so), Shutdown. Core -> frontend: Ready once (then the resolved engine
 facts), then per step a StepOutputs (the step's EngineCoreOutputs and the core's gauges), a
 Refused for a request the core could not take (it fails alone), and Failed once if the core
 itself breaks (then it exits).
@@ -122,6 +123,10 @@ class StopSequences(msgspec.Struct, tag=True, array_like=True):
     sequences: list[tuple[str, int]]  # (request id, completion index)
 
 
+class Taken(msgspec.Struct, tag=True, array_like=True):
+    steps: int  # StepOutputs of a step (step_end > 0) the frontend has taken in since the core started
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
@@ -150,7 +155,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-ToCore = AddRequest | Abort | StopSequences | Shutdown
+ToCore = AddRequest | Abort | StopSequences | Taken | Shutdown
 FromCore = Ready | StepOutputs | Refused | Failed
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
 from_core_decoder = msgspec.msgpack.Decoder(FromCore)
