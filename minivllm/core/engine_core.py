@@ -110,7 +110,7 @@ class EngineCore:
         return {"vocab_size": self.model.config.vocab_size, "max_model_len": config.max_model_len,
                 "block_size": config.block_size, "num_kv_blocks": config.num_kv_blocks,
                 "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-                "environment": environment(self.model)}
+                "enable_prefix_caching": bool(config.enable_prefix_caching), "environment": environment(self.model)}
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a checked request (input_processor.py). Raises ValueError, touching nothing, for
@@ -180,10 +180,11 @@ class EngineCore:
     def stats(self) -> EngineCoreStats:
         """Read-only counts of the scheduler and block manager, for /metrics' gauges."""
         scheduler, blocks = self.scheduler, self.block_manager
-        waiting = len(scheduler.waiting) + len(scheduler.waiting_for_grammar)  # chapter 13
-        return EngineCoreStats(len(scheduler.running), waiting, 1 - blocks.num_free / blocks.num_blocks,
-                               blocks.queried_tokens, blocks.hit_tokens,
-                               None if self.speculator is None else self.speculator.stats)
+        deferred = len(scheduler.waiting_for_grammar)  # chapter 13: waiting for a grammar, not for room
+        return EngineCoreStats(len(scheduler.running), len(scheduler.waiting) + deferred,
+                               1 - blocks.num_free / blocks.num_blocks, blocks.queried_tokens, blocks.hit_tokens,
+                               None if self.speculator is None else self.speculator.stats, scheduler.num_preemptions,
+                               deferred)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduled step; return what it added to every sequence that got tokens.
@@ -212,6 +213,10 @@ class EngineCore:
                 self.speculator.fit(schedule, self.scheduler.running, list(self.scheduler.waiting))
             if self.connector is not None:  # chapter 17: where loaded tokens go; what the worker moves
                 schedule.kv_connector_metadata = self.connector.plan_step(schedule)
+            now = time.perf_counter()
+            for seq in schedule.seqs:  # /metrics: queue time ends, prefill time starts (a preemption's return does not count)
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
         if not schedule.seqs:
             if (self.scheduler.waiting or self.scheduler.running) and not schedule.preempted:
                 raise RuntimeError(
@@ -335,4 +340,5 @@ class EngineCore:
         return EngineCoreOutput(group.request_id, seq.index, tokens,
                                 None if seq.params.logprobs is None else tops, prompt_logprobs,
                                 seq.finish_reason, stop_reason, seq.first_token_time, seq.num_preemptions,
-                                seq.num_cached_tokens, seq.num_draft_tokens, seq.num_accepted_tokens)
+                                seq.num_cached_tokens, seq.num_draft_tokens, seq.num_accepted_tokens,
+                                seq.first_scheduled_time or 0.0)

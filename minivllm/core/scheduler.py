@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in the order they were admitted: the last is the newest
         self.waiting_for_grammar: list[Sequence] = []  # chapter 13: not schedulable until compiled
+        self.num_preemptions = 0  # since the engine started, for /metrics (a sequence's own count dies with it)
 
     def add(self, seq: Sequence) -> None:
         if seq.grammar is not None and not seq.grammar.ready:  # chapter 13
@@ -165,6 +166,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:

@@ -174,6 +174,7 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread; call it from the event loop that will read the streams."""
         self._loop = asyncio.get_running_loop()
+        self.metrics.describe_engine(self.engine_info())
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -284,7 +285,7 @@ class AsyncEngine:
         except ValueError as err:
             return self._settle(request.accepted, err)
         self._streams[request.request_id] = request.stream
-        self.metrics.request_started(request.request_id, request.arrival_time)
+        self.metrics.request_started(request.request_id, request.arrival_time, request.params)
         self._settle(request.accepted, None)
 
     def _start_static_batch(self) -> None:
@@ -328,7 +329,8 @@ class AsyncEngine:
         waiting = len(scheduler.waiting) + len(scheduler.waiting_for_grammar) + len(self._batch_queue)  # chapter 13
         self.metrics.engine_state(len(scheduler.running), waiting,
                                   1 - blocks.num_free / blocks.num_blocks, blocks.queried_tokens, blocks.hit_tokens,
-                                  None if self.engine.core.speculator is None else self.engine.core.speculator.stats)
+                                  None if self.engine.core.speculator is None else self.engine.core.speculator.stats,
+                                  scheduler.num_preemptions, len(scheduler.waiting_for_grammar))
 
     def _settle(self, future: asyncio.Future, error: BaseException | None) -> None:
         self._call_on_loop(_settle_future, future, error)

@@ -46,6 +46,7 @@ from minivllm.request.messages import (
     Refused,
     StepOutputs,
     StopSequences,
+    Taken,
 )
 from minivllm.request.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._waiting = 0  # the core's count at its last message
+        self._steps_taken = 0  # the core's steps whose outputs have reached their streams
         self._reader: asyncio.Task | None = None
         self.step_times: deque[tuple[float, float]] = deque(maxlen=1000)  # the core's last steps (start, end)
 
@@ -89,6 +91,7 @@ class AsyncLLM:
     async def start(self) -> None:
         await self.client.start()
         self.input_processor = InputProcessor(self.tokenizer, self.client.info["vocab_size"], self.client.config)
+        self.metrics.describe_engine(self.client.info)
         self._reader = asyncio.create_task(self._read(), name="minivllm-core-reader")
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -128,7 +131,7 @@ class AsyncLLM:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self.output_processor.add_request(request, text)
-        self.metrics.request_started(request_id, request.arrival_time)
+        self.metrics.request_started(request_id, request.arrival_time, params)
         self._waiting += 1  # until the core's next count
         self.client.send(AddRequest(request))
         return stream
@@ -178,9 +181,11 @@ class AsyncLLM:
         self._waiting = stats.waiting
         self.metrics.step_outputs(outputs, time.perf_counter())
         self.metrics.engine_state(stats.running, stats.waiting, stats.kv_cache_usage, stats.prefix_queried_tokens,
-                                  stats.prefix_hit_tokens, stats.spec)
+                                  stats.prefix_hit_tokens, stats.spec, stats.num_preemptions, stats.waiting_deferred)
         if message.step_end:
             self.step_times.append((message.step_start, message.step_end))
+            self._steps_taken += 1
+            self.client.send(Taken(self._steps_taken))  # the core runs at most a step or two ahead (core/process.py)
 
     def _refused(self, message: Refused) -> None:
         stream = self._streams.pop(message.request_id, None)

@@ -155,7 +155,8 @@ class DataParallelClient:
         return index
 
     def send(self, message: ToCore) -> None:
-        """A new request to the core route() picks; an abort or stop to the core that holds it."""
+        """A new request to the core route() picks; an abort or stop to the core that holds it.
+        (Taken is not passed on: the frontend counts all the cores' steps together, so each runs free.)"""
         if isinstance(message, AddRequest):
             index = self.route(message.request.prompt_token_ids)
             self.owner[message.request.request_id] = [index, message.request.params.n]
@@ -210,7 +211,9 @@ class DataParallelClient:
         return EngineCoreStats(running=sum(s.running for s in known), waiting=sum(s.waiting for s in known),
                                kv_cache_usage=sum(s.kv_cache_usage for s in known) / len(self.cores),
                                prefix_queried_tokens=sum(s.prefix_queried_tokens for s in known),
-                               prefix_hit_tokens=sum(s.prefix_hit_tokens for s in known), spec=None)
+                               prefix_hit_tokens=sum(s.prefix_hit_tokens for s in known), spec=None,
+                               num_preemptions=sum(s.num_preemptions for s in known),
+                               waiting_deferred=sum(s.waiting_deferred for s in known))
 
     @property
     def alive(self) -> bool:

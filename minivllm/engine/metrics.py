@@ -14,11 +14,21 @@ thread-safe, and the per-request clocks below are touched by the engine thread a
 Issue 36: every quantity vLLM also exports is exported a second time under vLLM's name
 (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ..., labelled with
 `model_name` as vLLM's are), so a Grafana dashboard made for vLLM reads this server unchanged.
+Issue 49 adds the series vLLM has and the `minivllm_` names never had, under vLLM's names only,
+with vLLM's types, labels and bucket edges: tokens per step, waiting by reason, preemptions,
+the cache's configuration, and per finished request its sizes and where its time went:
+
+    arrival ── queue ──► first scheduled ── prefill ──► first token ── decode ──► last token
+                         └─────────────────────── inference ──────────────────────┘
+
+(queue + inference = e2e latency). The token edges of those histograms reach the context
+length, which a core process knows only once it has started: `describe_engine` makes them then.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -30,15 +40,33 @@ from prometheus_client import (
 
 from minivllm.request.messages import SpecDecodeStats
 from minivllm.request.outputs import RequestOutput
+from minivllm.request.sampling_params import SamplingParams
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# vLLM's edges (vllm/v1/metrics/loggers.py): tokens per step, the n parameter, a request's phases.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+
+
+def one_two_five(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: vLLM's edges for a request's token counts."""
+    edges, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return edges
+            edges.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass
 class _Clock:
     arrival_time: float
+    max_tokens: int | None = None  # the request's parameter (None: up to the context)
     last_token_time: float = 0.0
     num_tokens: int = 0  # output tokens seen so far, all completions together
 
@@ -69,6 +97,56 @@ class VllmNames:
                               buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last output token", label,
                              buckets=E2E_BUCKETS, registry=r)
+        # Issue 49. "deferred": a grammar still compiling (chapter 13), the only wait here that is not
+        # for room; "capacity": a place in the batch or KV blocks. The two add up to num_requests_waiting.
+        self.waiting_by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Waiting requests by why they wait: "
+                                       "capacity (room in the batch or the KV cache) or deferred (a grammar still "
+                                       "compiling)", ["model_name", "reason"], registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted: their KV cache freed, to be "
+                                   "recomputed", label, registry=r)
+        # As vLLM counts a step's tokens: the prompts of the requests whose first token it made, and its new tokens.
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Prompt and output tokens per engine step",
+                                          label, buckets=ITERATION_TOKEN_BUCKETS, registry=r)
+
+
+class RequestHistograms:
+    """vLLM's per-request histograms: one sample per finished request (aborted ones give none, as
+    in vLLM). Token edges reach max_model_len. The times are perf_counter() readings of the server
+    (arrival, last token) and of the core (first scheduled, first token): one clock, system-wide."""
+
+    def __init__(self, r: CollectorRegistry, max_model_len: int) -> None:
+        label, tokens = ["model_name"], one_two_five(max_model_len)
+        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens of a finished request", label,
+                                       buckets=tokens, registry=r)
+        self.generation_tokens = Histogram("vllm:request_generation_tokens", "Output tokens of a finished request "
+                                           "(its n completions together)", label, buckets=tokens, registry=r)
+        self.n = Histogram("vllm:request_params_n", "The n request parameter", label, buckets=N_BUCKETS, registry=r)
+        self.max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens request parameter", label,
+                                    buckets=tokens, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to the first step that ran the request",
+                               label, buckets=PHASE_BUCKETS, registry=r)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "First scheduled to first output token", label,
+                                 buckets=PHASE_BUCKETS, registry=r)
+        self.decode = Histogram("vllm:request_decode_time_seconds", "First output token to last", label,
+                                buckets=PHASE_BUCKETS, registry=r)
+        self.inference = Histogram("vllm:request_inference_time_seconds", "First scheduled to last output token",
+                                   label, buckets=PHASE_BUCKETS, registry=r)
+
+    def observe(self, model_name: str, output: RequestOutput, clock: _Clock, now: float) -> None:
+        """A request that finished at `now`, with `clock.num_tokens` output tokens."""
+        m = model_name
+        self.prompt_tokens.labels(m).observe(len(output.prompt_token_ids))
+        self.generation_tokens.labels(m).observe(clock.num_tokens)
+        self.n.labels(m).observe(len(output.outputs))
+        if clock.max_tokens is not None:
+            self.max_tokens.labels(m).observe(clock.max_tokens)
+        times = output.metrics
+        if times is None or times.first_scheduled_time is None or times.first_token_time is None:
+            return
+        scheduled, first = times.first_scheduled_time, times.first_token_time
+        for histogram, seconds in ((self.queue, scheduled - clock.arrival_time), (self.prefill, first - scheduled),
+                                   (self.decode, now - first), (self.inference, now - scheduled)):
+            histogram.labels(m).observe(seconds)
 
 
 class ServerMetrics:
@@ -111,16 +189,41 @@ class ServerMetrics:
         self.e2e = Histogram("minivllm_e2e_request_latency_seconds", "Arrival to last output token",
                              buckets=E2E_BUCKETS, registry=r)
         self._clocks: dict[str, _Clock] = {}
+        self.requests: RequestHistograms | None = None  # made by describe_engine
+        self._preemptions_seen = 0  # the scheduler's total at the last update
+
+    def describe_engine(self, info: dict[str, Any]) -> None:
+        """What the engine is (EngineCore.info(): its context, its KV cache), once it has started:
+        vLLM's cache_config_info (a gauge at 1 whose labels are the facts) and the per-request
+        histograms, whose token edges reach max_model_len; the new scheduler series start at 0, as
+        vLLM's do, so a dashboard sees them before the first step. A second call changes nothing."""
+        if self.requests is not None:
+            return
+        self.requests = RequestHistograms(self.registry, info["max_model_len"])
+        for reason in ("capacity", "deferred"):
+            self.vllm.waiting_by_reason.labels(self.model_name, reason).set(0)
+        self.vllm.preemptions.labels(self.model_name).inc(0)
+        cache = {"block_size": str(info["block_size"]), "num_gpu_blocks": str(info["num_kv_blocks"]),
+                 "enable_prefix_caching": str(bool(info.get("enable_prefix_caching"))),
+                 "cache_dtype": str(info.get("environment", {}).get("dtype", "auto"))}
+        Gauge("vllm:cache_config_info", "The KV cache's configuration, as labels (num_gpu_blocks: blocks in the "
+              "pool, on whatever device)", list(cache), registry=self.registry).labels(**cache).set(1)
 
     def engine_state(self, running: int, waiting: int, kv_cache_usage: float, prefix_queried_tokens: int = 0,
-                     prefix_hit_tokens: int = 0, spec: SpecDecodeStats | None = None) -> None:
+                     prefix_hit_tokens: int = 0, spec: SpecDecodeStats | None = None, num_preemptions: int = 0,
+                     waiting_deferred: int = 0) -> None:
         """The scheduler's and block manager's state; the prefix-cache totals are the block
-        manager's running sums and `spec` the speculator's, which the counters follow."""
+        manager's running sums, `spec` the speculator's and num_preemptions the scheduler's,
+        which the counters follow. waiting_deferred: of `waiting`, those waiting for a grammar."""
         v, m = self.vllm, self.model_name
         for mine, theirs, value in ((self.running, v.running, running), (self.waiting, v.waiting, waiting),
                                     (self.kv_cache_usage, v.kv_cache_usage, kv_cache_usage)):
             mine.set(value)
             theirs.labels(m).set(value)
+        v.waiting_by_reason.labels(m, "capacity").set(waiting - waiting_deferred)
+        v.waiting_by_reason.labels(m, "deferred").set(waiting_deferred)
+        v.preemptions.labels(m).inc(num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = num_preemptions
         queried, hit = self._prefix_seen
         for mine, theirs, new in ((self.prefix_cache_queries, v.prefix_cache_queries, prefix_queried_tokens - queried),
                                   (self.prefix_cache_hits, v.prefix_cache_hits, prefix_hit_tokens - hit)):
@@ -137,8 +240,8 @@ class ServerMetrics:
             self._spec_seen = dataclasses.replace(spec, num_drafts_per_position=list(spec.num_drafts_per_position),
                                                   num_accepted_per_position=list(spec.num_accepted_per_position))
 
-    def request_started(self, request_id: str, arrival_time: float) -> None:
-        self._clocks[request_id] = _Clock(arrival_time)
+    def request_started(self, request_id: str, arrival_time: float, params: SamplingParams | None = None) -> None:
+        self._clocks[request_id] = _Clock(arrival_time, None if params is None else params.max_tokens)
 
     def request_aborted(self, request_id: str) -> None:
         if self._clocks.pop(request_id, None) is not None:
@@ -149,7 +252,7 @@ class ServerMetrics:
         """Count and time one step's outputs (`now`: time.perf_counter() when they came out).
         Each request gives its histograms one sample; the counters move once per step, by the
         step's sums (a step with 128 streams would otherwise pay 128 label lookups per series)."""
-        ttfts, gaps, e2es, reasons = [], [], [], []
+        ttfts, gaps, e2es, reasons, finished = [], [], [], [], []
         prompt_tokens = new_tokens = 0
         for output in outputs:
             clock = self._clocks.get(output.request_id)
@@ -167,6 +270,7 @@ class ServerMetrics:
             if output.finished:
                 e2es.append(now - clock.arrival_time)
                 reasons.append(output.outputs[0].finish_reason or "unknown")
+                finished.append((output, clock))
                 del self._clocks[output.request_id]
         v, m = self.vllm, self.model_name
         for samples, histograms in ((ttfts, lambda: (self.ttft, v.ttft.labels(m))),
@@ -184,6 +288,11 @@ class ServerMetrics:
         for reason in reasons:
             self.finished.labels(reason).inc()
             v.finished.labels(m, reason).inc()
+        if prompt_tokens or new_tokens:
+            v.iteration_tokens.labels(m).observe(prompt_tokens + new_tokens)
+        if self.requests is not None:
+            for output, clock in finished:
+                self.requests.observe(m, output, clock, now)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""

@@ -46,6 +46,7 @@ class CompletionState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    scheduled_time: float | None = None  # the core's: when a step first gave it tokens
     first_token_time: float | None = None
     finish_time: float | None = None
     counters: tuple[int, int, int, int] = (0, 0, 0, 0)  # preemptions, cached, draft and accepted tokens
@@ -143,7 +144,7 @@ class OutputProcessor:
             completion.counters = (out.num_preemptions, out.num_cached_tokens, out.num_draft_tokens,
                                    out.num_accepted_tokens)
             if completion.first_token_time is None:
-                completion.first_token_time = out.first_token_time
+                completion.first_token_time, completion.scheduled_time = out.first_token_time, out.scheduled_time
             if self._take(state, completion, out):
                 stopped.append((out.request_id, out.index))
             if completion.finish_reason is not None:
@@ -210,10 +211,11 @@ class OutputProcessor:
                                         None if c.logprobs is None else list(c.logprobs), c.finish_reason,
                                         c.stop_reason) for c in completions]
         first_tokens = [c.first_token_time for c in completions if c.first_token_time is not None]
+        scheduled = [c.scheduled_time for c in completions if c.scheduled_time]
         totals = [sum(column) for column in zip(*(c.counters for c in completions))]
         metrics = RequestMetrics(state.arrival_time, min(first_tokens, default=None),
                                  max(c.finish_time for c in completions) if finished else None,
-                                 totals[0], totals[2], totals[3])
+                                 totals[0], totals[2], totals[3], min(scheduled, default=None))
         prompt_logprobs = None if state.prompt_logprobs is None else list(state.prompt_logprobs)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, metrics,
                              prompt_logprobs, totals[1])

@@ -7,7 +7,8 @@ refuses a malformed message instead of running it. Why ZMQ: message framing, que
 other side is busy, and IPC sockets, with nothing to run in between.
 
 Frontend -> core: AddRequest, Abort (whole requests), StopSequences (completions that a stop
-string ended in the frontend), Shutdown. Core -> frontend: Ready once (then the resolved engine
+string ended in the frontend), Taken (how many steps' outputs the frontend has taken in: the
+core runs at most a step or two ahead of a frontend that says so), Shutdown. Core -> frontend: Ready once (then the resolved engine
 facts), then per step a StepOutputs (the step's EngineCoreOutputs and the core's gauges), a
 Refused for a request the core could not take (it fails alone), and Failed once if the core
 itself breaks (then it exits).
@@ -74,7 +75,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     TopLogprobs (as [token ids, logprobs, ranks], the chosen token first) per new token, if the
     request asked. prompt_logprobs: prompt positions' logprobs computed since the request's last
     output (position 0 as None), if it asked. finish_reason: "stop", "length" or None.
-    The counters are the sequence's totals so far (for RequestMetrics)."""
+    The counters are the sequence's totals so far (for RequestMetrics); scheduled_time is when
+    a step first gave it tokens (time.perf_counter(), as first_token_time)."""
 
     request_id: str
     index: int
@@ -88,11 +90,14 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    scheduled_time: float = 0.0
 
 
 class EngineCoreStats(msgspec.Struct, array_like=True):
     """The core's state after a step, for /metrics: requests running and waiting, the KV pool's
-    use (0-1), the prefix cache's running sums, speculation's totals."""
+    use (0-1), the prefix cache's running sums, speculation's totals, preemptions since the start,
+    and how many of the waiting requests wait for their grammar to compile rather than for room
+    (vLLM's "deferred" waiting; the rest wait for "capacity")."""
 
     running: int
     waiting: int
@@ -100,6 +105,8 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     spec: SpecDecodeStats | None = None
+    num_preemptions: int = 0
+    waiting_deferred: int = 0
 
 
 
@@ -114,6 +121,10 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 class StopSequences(msgspec.Struct, tag=True, array_like=True):
     sequences: list[tuple[str, int]]  # (request id, completion index)
+
+
+class Taken(msgspec.Struct, tag=True, array_like=True):
+    steps: int  # StepOutputs of a step (step_end > 0) the frontend has taken in since the core started
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
@@ -144,7 +155,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-ToCore = AddRequest | Abort | StopSequences | Shutdown
+ToCore = AddRequest | Abort | StopSequences | Taken | Shutdown
 FromCore = Ready | StepOutputs | Refused | Failed
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
 from_core_decoder = msgspec.msgpack.Decoder(FromCore)

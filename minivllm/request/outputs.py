@@ -39,6 +39,9 @@ class RequestMetrics:
     # verified, and how many it kept (each kept guess is a token that cost no forward pass of its own).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # When a step first gave it tokens (its first completion to run): arrival -> here is its time
+    # in the queue, here -> first_token_time its prefill (vLLM's name and meaning).
+    first_scheduled_time: float | None = None
 
 
 @dataclass

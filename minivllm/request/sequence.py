@@ -62,6 +62,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (chapter 11)
     num_draft_tokens: int = 0  # guesses verified for it (chapter 12)
     num_accepted_tokens: int = 0  # of those, the ones the target kept
+    first_scheduled_time: float | None = None  # when a step first gave it tokens (its queueing ended)
     first_token_time: float | None = None  # when its first output token was sampled
     finish_time: float | None = None
     generator: torch.Generator | None = None  # private randomness for sampled requests
