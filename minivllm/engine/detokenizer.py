@@ -5,8 +5,10 @@ A stream of tokens is not a stream of characters. With byte-level BPE one charac
 several tokens (the default model spells "é" in two and "世" in three), and other tokenizers
 choose a token's leading space by looking at its neighbours; so decoding each token alone and
 gluing the pieces gives wrong text. `IncrementalDetokenizer` decodes a short window of recent
-tokens twice, without and with the new ones, and keeps the difference; while that difference
-ends in half a character (decoded as U+FFFD) it waits for the next token.
+tokens without and with the new ones, and keeps the difference; while that difference ends in
+half a character (decoded as U+FFFD) it waits for the next token. The window's text "with"
+is the next token's text "without", so it is kept, and a token costs one decode, not two
+(the window slides on, with one decode more, every few tokens: a decode's cost grows with it).
 
 Stop strings live in the text, not in the tokens: "\\n\\n" may be one token, or the end of one
 and the start of the next. So each step searches the new text *and the last len(stop) - 1
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for its leading space
+WINDOW_TOKENS = 8  # the most tokens decoded at once before the window slides on
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: Sequence[str]) -> tuple[int, str] | None:
@@ -50,7 +53,8 @@ class IncrementalDetokenizer:
 
     Two offsets into `tokens` (the last few prompt tokens, then the output): text for
     everything before `read` is done; decoding starts at `prefix`, a few tokens earlier, so
-    the new tokens are decoded in context.
+    the new tokens are decoded in context. Both offsets only ever sit where a whole character
+    ends, and `prefix_text` is tokens[prefix:read] decoded (None: not decoded yet).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]):
@@ -58,6 +62,7 @@ class IncrementalDetokenizer:
         self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix = 0
         self.read = len(self.tokens)
+        self.prefix_text: str | None = None
         self.num_output_tokens = 0  # output tokens taken in so far
         self.text = ""
 
@@ -66,13 +71,17 @@ class IncrementalDetokenizer:
         that ends in half a character is held back until the rest comes, or until `final`."""
         self.tokens += new_token_ids
         self.num_output_tokens += len(new_token_ids)
-        before = self._decode(self.tokens[self.prefix:self.read])
+        if self.prefix_text is None:
+            self.prefix_text = self._decode(self.tokens[self.prefix:self.read])
         after = self._decode(self.tokens[self.prefix:])
         if after.endswith("\ufffd") and not final:
             return 0
-        new_text = after[len(before):]
+        new_text = after[len(self.prefix_text):]
         self.text += new_text
-        self.prefix, self.read = self.read, len(self.tokens)
+        if len(self.tokens) - self.prefix <= WINDOW_TOKENS:  # the same start: `after` is the next `before`
+            self.read, self.prefix_text = len(self.tokens), after
+        else:  # slide on: the window starts where this call's new tokens did
+            self.prefix, self.read, self.prefix_text = self.read, len(self.tokens), None
         return len(new_text)
 
     def _decode(self, token_ids: list[int]) -> str:

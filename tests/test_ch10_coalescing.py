@@ -1,0 +1,231 @@
+"""Output coalescing (issue 48): a stream whose reader falls behind hands it everything it
+missed as one output, so a slow client gets fewer, larger chunks instead of a backlog of one
+event per token, and what it assembles (text, tokens, logprobs, usage, finish reason) is what
+an unhurried client gets. Also the detokenizer that decodes once per token: the same text as
+decoding every window twice.
+
+A slow client is made by slowing the server's side of its stream: every event waits before the
+next is made, as a socket write waits for a client that does not read (uvicorn pauses writing
+once the socket's buffers are full; on loopback they hold hundreds of KB, more than a test
+stream fills in bounded time).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from server_checks import ENGINE, MODEL, openai_client, running_server
+
+from minivllm import LLM, LLMEngine, SamplingParams
+from minivllm.engine.async_engine import RequestStream
+from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.output_processor import merge_deltas
+from minivllm.entrypoints.openai import app as app_module
+from minivllm.request.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.request.sampling_params import RequestOutputKind
+
+pytestmark = [pytest.mark.ch10, pytest.mark.floors]
+
+PROMPT = "import os\n\ndef list_files(path):\n    return"
+TOKENS = 40
+LATE = 0.15  # seconds the slow client's every event waits: several engine steps of this model
+SERVER_EVENTS = app_module.stream_events  # the server's own, unhurried
+
+
+# ---- the merge ----
+
+def completion(index: int, text: str, tokens: list[int], finish: str | None = None,
+               logprobs: bool = True) -> CompletionOutput:
+    entries = [{t: Logprob(-float(t), 1, str(t))} for t in tokens] if logprobs else None
+    return CompletionOutput(index, text, tokens, -float(sum(tokens)), entries, finish, None if finish is None else "\n")
+
+
+def test_merge_deltas_joins_each_completion_in_order():
+    first = RequestOutput("r", "p", [1, 2], [completion(0, "ab", [3, 4]), completion(1, "x", [5])],
+                          prompt_logprobs=[None])
+    then = RequestOutput("r", "p", [1, 2], [completion(1, "yz", [6, 7], finish="stop"), completion(0, "c", [8])],
+                         finished=False, prompt_logprobs=[None, {2: Logprob(-0.5)}], num_cached_tokens=2)
+    merged = merge_deltas(first, then)
+    assert [c.index for c in merged.outputs] == [0, 1]
+    zero, one = merged.outputs
+    assert (zero.text, zero.token_ids, zero.finish_reason) == ("abc", [3, 4, 8], None)
+    assert (one.text, one.token_ids, one.finish_reason, one.stop_reason) == ("xyz", [5, 6, 7], "stop", "\n")
+    assert [next(iter(e)) for e in zero.logprobs] == [3, 4, 8]
+    assert zero.cumulative_logprob == -8.0  # the newer one: it is already a running sum
+    assert merged.prompt_logprobs == then.prompt_logprobs and merged.num_cached_tokens == 2  # whole, not deltas
+    assert first.outputs[0].text == "ab" and first.outputs[0].token_ids == [3, 4]  # inputs unchanged
+    plain = merge_deltas(RequestOutput("r", "p", [1], [completion(0, "a", [3], logprobs=False)]),
+                         RequestOutput("r", "p", [1], [completion(0, "b", [4], "length", logprobs=False)], True))
+    assert plain.outputs[0].logprobs is None and plain.finished and plain.outputs[0].finish_reason == "length"
+
+
+def engine_outputs(default_model, chat_tokenizer, kind: RequestOutputKind) -> list[RequestOutput]:
+    """Every step's output of one seeded request (n = 2, logprobs, a stop string)."""
+    engine = LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE)
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=24, logprobs=2, stop=["\n\n"], output_kind=kind)
+    engine.add_request(request_id="r", prompt=PROMPT, params=params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_delta_stream_read_late_loses_nothing(default_model, chat_tokenizer, seed):
+    """DELTA outputs put into a stream whose reader wakes only now and then: the outputs it
+    reads add up to the cumulative run's last output, and it reads fewer of them."""
+    deltas = engine_outputs(default_model, chat_tokenizer, RequestOutputKind.DELTA)
+    final = engine_outputs(default_model, chat_tokenizer, RequestOutputKind.CUMULATIVE)[-1]
+    rng = random.Random(seed)
+
+    async def read_late() -> list[RequestOutput]:
+        stream, read = RequestStream("r", delta=True), []
+        for output in deltas:
+            stream.put(output)
+            if rng.random() < 0.3 or output.finished:  # the reader's turn comes now and then
+                read.append(await asyncio.wait_for(anext(stream), 5))
+        return read
+
+    read = asyncio.run(read_late())
+    assert len(read) < len(deltas) and read[-1].finished
+    for c in final.outputs:
+        pieces = [r.outputs[c.index] for r in read]
+        assert "".join(p.text for p in pieces) == c.text
+        assert [t for p in pieces for t in p.token_ids] == c.token_ids
+        assert [lp for p in pieces for lp in p.logprobs] == c.logprobs
+        assert pieces[-1].finish_reason == c.finish_reason and pieces[-1].stop_reason == c.stop_reason
+
+
+def test_a_cumulative_stream_read_late_gets_the_newest_output():
+    async def read_late() -> list[RequestOutput]:
+        stream = RequestStream("r")
+        for n in range(1, 4):
+            stream.put(RequestOutput("r", "p", [1], [CompletionOutput(0, "a" * n, [7] * n)], finished=n == 3))
+        return [output async for output in stream]
+
+    (only,) = asyncio.run(asyncio.wait_for(read_late(), 5))
+    assert only.outputs[0].token_ids == [7, 7, 7] and only.finished
+
+
+# ---- through the server, with the official openai client ----
+
+@pytest.fixture(scope="module")
+def llm(default_model, chat_tokenizer) -> LLM:
+    return LLM(default_model, tokenizer=chat_tokenizer, **ENGINE)
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(default_model, chat_tokenizer, request):
+    """Chapter 10's server, then chapter 15's (the core in its own process)."""
+    with running_server(LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE),
+                        core_process=request.param == "process") as running:
+        yield running
+
+
+@pytest.fixture()
+def slow_client(monkeypatch):
+    """Every streamed event waits LATE seconds before the next one is made."""
+    async def late_events(*args, **kwargs):
+        async for event in SERVER_EVENTS(*args, **kwargs):
+            yield event
+            await asyncio.sleep(LATE)
+
+    monkeypatch.setattr(app_module, "stream_events", late_events)
+
+
+def test_a_slow_client_gets_fewer_chunks_that_add_up_to_offline_greedy(server, llm, chat_tokenizer, slow_client):
+    expected = llm.generate(PROMPT, SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    chunks = list(openai_client(server[0]).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0, logprobs=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    choices = [c for c in chunks if c.choices]
+    assert len(choices) < TOKENS // 2, f"{len(choices)} chunks for {TOKENS} tokens: nothing was merged"
+    assert "".join(c.choices[0].text for c in choices) == expected.text
+    tokens = [t for c in choices for t in c.choices[0].logprobs.tokens]
+    assert tokens == [chat_tokenizer.decode([t]) for t in expected.token_ids]
+    offsets = [o for c in choices for o in c.choices[0].logprobs.text_offset]
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    assert sum(len(c.choices[0].logprobs.token_logprobs) for c in choices) == TOKENS
+    assert [c.choices[0].finish_reason for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    so_far = [sum(len(c.choices[0].logprobs.tokens) for c in choices[:j + 1]) for j in range(len(choices))]
+    assert [c.usage.completion_tokens for c in choices] == so_far  # continuous usage: the tokens so far
+    assert chunks[-1].usage.completion_tokens == TOKENS and not chunks[-1].choices
+
+
+def test_a_slow_chat_with_n_2_merges_each_choice_apart(server, llm, slow_client):
+    """n = 2 seeded completions of a chat: each choice's merged deltas add up to the same
+    request read by an unhurried client (the seed fixes every token)."""
+    client = openai_client(server[0])
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "def add(a, b):"}], "n": 2,
+               "max_tokens": TOKENS, "temperature": 1.0, "seed": 11, "logprobs": True, "top_logprobs": 1,
+               "stream": True, "stream_options": {"include_usage": True}, "extra_body": {"ignore_eos": True}}
+
+    def assembled(chunks: list) -> tuple[dict, dict, dict, object]:
+        text, tokens, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
+        for c in chunks:
+            for choice in c.choices:
+                text[choice.index] += choice.delta.content or ""
+                tokens[choice.index] += [t.token for t in (choice.logprobs.content if choice.logprobs else [])]
+                if choice.finish_reason is not None:
+                    finish[choice.index] = choice.finish_reason
+        return text, tokens, finish, chunks[-1].usage
+
+    slow = list(client.chat.completions.create(**request))
+    with pytest.MonkeyPatch.context() as undo:  # the unhurried client: the server's own stream_events
+        undo.setattr(app_module, "stream_events", SERVER_EVENTS)
+        quick = list(client.chat.completions.create(**request))
+    assert assembled(slow) == assembled(quick)
+    assert assembled(slow)[2] == {0: "length", 1: "length"} and assembled(slow)[3].completion_tokens == 2 * TOKENS
+    assert sum(bool(c.choices) for c in slow) < sum(bool(c.choices) for c in quick) // 2
+
+
+
+# ---- one decode per token ----
+
+class TwoDecodes:
+    """Chapter 10's detokenizer before issue 48: every window decoded twice."""
+
+    def __init__(self, tokenizer, prompt: list[int]):
+        self.tokenizer, self.tokens, self.prefix, self.text = tokenizer, prompt[-5:], 0, ""
+        self.read = len(self.tokens)
+
+    def add(self, new: list[int], final: bool = False) -> None:
+        self.tokens = self.tokens + new
+        before = self.tokenizer.decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.tokens[self.prefix:], skip_special_tokens=True)
+        if after.endswith("\ufffd") and not final:
+            return
+        self.text += after[len(before):]
+        self.prefix, self.read = self.read, len(self.tokens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_decode_per_token_shows_what_two_did(chat_tokenizer, seed):
+    """Random token ids (byte pieces that split characters, spaces, specials) and real text, one
+    or a few tokens at a time: the text after every call equals the two-decode detokenizer's."""
+    rng = random.Random(seed)
+    real = chat_tokenizer.encode('def f(x):\n    return "héllo 世界 🙂" + x  # ünïcödé\n' * 3)
+    output = real if seed == 0 else [rng.randrange(len(chat_tokenizer)) for _ in range(200)]
+    prompt = chat_tokenizer.encode("print(1)\n")
+    mine, reference, i = IncrementalDetokenizer(chat_tokenizer, prompt), TwoDecodes(chat_tokenizer, prompt), 0
+    decodes = calls = 0
+    decode = mine._decode
+
+    def counted(ids):
+        nonlocal decodes
+        decodes += 1
+        return decode(ids)
+
+    mine._decode = counted
+    while i < len(output):
+        step = output[i:i + rng.choice([1, 1, 1, 2, 3])]
+        i += len(step)
+        final = i >= len(output)
+        calls += 1
+        mine.add(step, final)
+        reference.add(step, final)
+        assert mine.text == reference.text
+    assert mine.text == chat_tokenizer.decode(output, skip_special_tokens=True) or seed != 0
+    assert decodes < 1.3 * calls  # two per call before
