@@ -19,7 +19,7 @@ from server_checks import ENGINE, MODEL, openai_client, running_server
 
 from minivllm import LLM, LLMEngine, SamplingParams
 from minivllm.engine.async_engine import RequestStream
-from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.detokenizer import IncrementalDetokenizer, plain_decoder
 from minivllm.engine.output_processor import merge_deltas
 from minivllm.entrypoints.openai import app as app_module
 from minivllm.request.outputs import CompletionOutput, Logprob, RequestOutput
@@ -229,3 +229,22 @@ def test_one_decode_per_token_shows_what_two_did(chat_tokenizer, seed):
         assert mine.text == reference.text
     assert mine.text == chat_tokenizer.decode(output, skip_special_tokens=True) or seed != 0
     assert decodes < 1.3 * calls  # two per call before
+
+
+def test_the_plain_decoder_is_the_tokenizers_decode(chat_tokenizer):
+    """The Rust decoder alone gives what tokenizer.decode gives (special tokens left out, half
+    characters as U+FFFD), on random ids and on the ids of real text; a tokenizer it does not
+    know is called as it is."""
+    rng = random.Random(0)
+    decode = plain_decoder(chat_tokenizer)
+    assert decode is not None and chat_tokenizer.clean_up_tokenization_spaces is False
+    cases = [[rng.randrange(len(chat_tokenizer)) for _ in range(rng.randint(1, 12))] for _ in range(300)]
+    cases += [chat_tokenizer.encode("héllo 世界 🙂 <|endoftext|> x")[i:j] for i in range(6) for j in range(i + 1, 14)]
+    for ids in cases:
+        assert decode(ids) == chat_tokenizer.decode(ids, skip_special_tokens=True)
+
+    class Spelled:
+        def decode(self, ids, skip_special_tokens=False):
+            return "-".join(map(str, ids))
+
+    assert plain_decoder(Spelled())([1, 2]) == "1-2"
