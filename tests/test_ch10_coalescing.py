@@ -18,10 +18,17 @@ import pytest
 from server_checks import ENGINE, MODEL, openai_client, running_server
 
 from minivllm import LLM, LLMEngine, SamplingParams
+from minivllm.engine import async_llm
 from minivllm.engine.async_engine import RequestStream
 from minivllm.engine.detokenizer import IncrementalDetokenizer, plain_decoder
 from minivllm.engine.output_processor import merge_deltas
 from minivllm.entrypoints.openai import app as app_module
+from minivllm.request.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineCoreStats,
+    StepOutputs,
+)
 from minivllm.request.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.request.sampling_params import RequestOutputKind
 
@@ -106,6 +113,49 @@ def test_a_cumulative_stream_read_late_gets_the_newest_output():
 
     (only,) = asyncio.run(asyncio.wait_for(read_late(), 5))
     assert only.outputs[0].token_ids == [7, 7, 7] and only.finished
+
+
+class Backlog:
+    """A core client whose messages are all there already (a frontend that fell behind its
+    core): receive() returns at once until they run out, then waits for ever."""
+
+    alive = True
+
+    def __init__(self, messages: list) -> None:
+        self.messages = messages
+
+    async def receive(self):
+        if self.messages:
+            return self.messages.pop(0)
+        await asyncio.get_running_loop().create_future()
+
+    def send(self, message) -> None:
+        pass
+
+
+@pytest.mark.ch15
+@pytest.mark.parametrize("hold", [0.0, 60.0])
+def test_a_reader_behind_its_core_sends_one_output_for_the_steps_waiting(chat_tokenizer, monkeypatch, hold):
+    """Five steps already waiting for a stream: read within HOLD_SECONDS they reach it as one
+    output holding all five tokens; with no hold, as five outputs."""
+    steps = [StepOutputs([EngineCoreOutput("r", 0, [100 + i], finish_reason="length" if i == 4 else None)],
+                         EngineCoreStats(1, 0, 0.0, 0, 0)) for i in range(5)]
+    monkeypatch.setattr(async_llm, "make_client", lambda model, config, tokenizer, *a, **k: (Backlog(steps), tokenizer))
+    monkeypatch.setattr(async_llm, "HOLD_SECONDS", hold)
+    engine = async_llm.AsyncLLM(None, None, chat_tokenizer)
+    engine.output_processor.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=5), 0.0), None)
+    stream = engine._streams["r"] = RequestStream("r")
+
+    async def read() -> list[RequestOutput]:
+        reader = asyncio.create_task(engine._read())
+        try:
+            return [output async for output in stream]
+        finally:
+            reader.cancel()
+
+    outputs = asyncio.run(asyncio.wait_for(read(), 10))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == ([5] if hold else [1, 2, 3, 4, 5])
+    assert outputs[-1].outputs[0].token_ids == [100, 101, 102, 103, 104] and outputs[-1].finished
 
 
 # ---- through the server, with the official openai client ----
