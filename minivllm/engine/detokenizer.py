@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase, TokenizersBackend
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for its leading space
 WINDOW_TOKENS = 8  # the most tokens decoded at once before the window slides on
@@ -56,9 +56,9 @@ def plain_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     decoding no subclass changes, that is its Rust decoder alone, the same string without the
     Python checks that cost more than decoding a few tokens (this runs once per token of every
     stream). Any other tokenizer is called as it is."""
-    if (isinstance(tokenizer, TokenizersBackend) and tokenizer.clean_up_tokenization_spaces is False
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and tokenizer.clean_up_tokenization_spaces is False
             and type(tokenizer).decode is PreTrainedTokenizerBase.decode
-            and type(tokenizer)._decode is TokenizersBackend._decode):
+            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode):
         rust = tokenizer.backend_tokenizer
         return lambda ids: rust.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
