@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare", type=Path, default=None, help="another checkout, measured in turns with this one")
-    parser.add_argument("--profile", action="store_true", help="one more run of this checkout under cProfile")
+    parser.add_argument("--profile", action="store_true", help="one more run of this checkout, sampled by py-spy")
     parser.add_argument("--results", default="48_frontend_cpu")
     args = parser.parse_args()
     codes = {"this": HERE} | ({"compare": args.compare.resolve()} if args.compare else {})
