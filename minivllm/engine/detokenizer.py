@@ -69,8 +69,8 @@ class IncrementalDetokenizer:
 
     Two offsets into `tokens` (the last few prompt tokens, then the output): text for
     everything before `read` is done; decoding starts at `prefix`, a few tokens earlier, so
-    the new tokens are decoded in context. Both offsets only ever sit where a whole character
-    ends, and `prefix_text` is tokens[prefix:read] decoded (None: not decoded yet).
+    the new tokens are decoded in context. `prefix_text` is tokens[prefix:read] decoded (None:
+    not decoded yet).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]):
