@@ -2,6 +2,7 @@
 when each one's prompt is done (issue 48).
 
     python benchmarks/burst_ttft.py [--users 128] [--rounds 3]
+    python benchmarks/burst_ttft.py --plot-only     # the figure again, from the results file
 
 The engine alone (LLM.generate, every request added at time 0, greedy, EOS ignored), on the
 cheap 2-layer model of chapter 15 (course/bench/split_serving.py), whose CPU step costs a few
@@ -11,7 +12,8 @@ its RequestMetrics. Settings, measured in turns, round by round (the machine is 
 - budget 2,048 (this CPU's default and, before issue 48, every device's);
 - budget 8,192 (the default now on a GPU with >= 70 GiB, config/engine.py);
 - budget 2,048 with long_prefill_token_threshold 128 (a prompt gets at most 128 tokens per step).
-Writes benchmarks/results/48_burst_ttft_cpu.json (medians over rounds of each setting's p50/p99).
+Writes benchmarks/results/48_burst_ttft_cpu.json (every request's TTFT, medians over rounds of
+each setting's p50/p99) and figures/48_burst_ttft.png (course/plots/burst.py).
 """
 from __future__ import annotations
 
@@ -28,14 +30,18 @@ from typing import Any
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.course.bench.harness import save_results
+from minivllm.course.bench.harness import RESULTS_DIR, save_results
 from minivllm.course.bench.split_serving import CHEAP_SHAPE, write_cheap_model
+from minivllm.course.plots import save
+from minivllm.course.plots.burst import plot_burst_ttft
 from minivllm.machine import environment
 
 SETTINGS = {"budget 2048": {"max_num_batched_tokens": 2048},
             "budget 8192": {"max_num_batched_tokens": 8192},
             "budget 2048, cap 128": {"max_num_batched_tokens": 2048, "long_prefill_token_threshold": 128}}
 OUTPUT_TOKENS = 16
+RESULTS = "48_burst_ttft_cpu"
+FIGURE = "48_burst_ttft"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -52,6 +58,7 @@ def burst(model: Path, prompts: list[list[int]], settings: dict[str, Any]) -> di
     seconds = time.perf_counter() - start
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     return {"ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "seconds": seconds,
+            "ttft": sorted(round(t, 6) for t in ttft),
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
             "tokens": [o.outputs[0].token_ids for o in outputs]}
 
@@ -61,7 +68,12 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot-only", action="store_true", help="only draw the figure from the results file")
     args = parser.parse_args()
+    if args.plot_only:
+        results = json.loads((RESULTS_DIR / f"{RESULTS}.json").read_text())
+        print(save(plot_burst_ttft(results), FIGURE))
+        return
     torch.set_num_threads(1)
     folder = Path(tempfile.mkdtemp(prefix="minivllm-cheap-"))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETTINGS}
@@ -87,11 +99,13 @@ def main() -> None:
     for name, m in medians.items():
         print(f"{name}: median TTFT p50 {1e3 * m['ttft_p50']:.0f} ms, p99 {1e3 * m['ttft_p99']:.0f} ms, "
               f"{m['seconds']:.2f} s, tokens equal to budget 2048's: {same[name]}")
-    save_results("48_burst_ttft_cpu", {
+    results = {
         "machine": environment(), "model": {"shape": CHEAP_SHAPE, "tokenizer": "the embedded model's"},
         "users": args.users, "prompt_tokens": sum(map(len, prompts)), "output_tokens_each": OUTPUT_TOKENS,
         "settings": SETTINGS, "medians": medians, "same_tokens_as_budget_2048": same, "runs": runs,
-        "command": "python benchmarks/burst_ttft.py " + f"--users {args.users} --rounds {args.rounds}"})
+        "command": "python benchmarks/burst_ttft.py " + f"--users {args.users} --rounds {args.rounds}"}
+    save_results(RESULTS, results)
+    print(save(plot_burst_ttft(results), FIGURE))
 
 
 if __name__ == "__main__":

@@ -112,8 +112,9 @@ def measure(model: Path, code: Path, users: int, seed: int, profile: Path | None
         stop(server)
     tokens = sum(r.output_tokens for r in results)
     failed = sum(not r.ok for r in results)
+    chunks = sum(len(r.token_times) for r in results)  # fewer than tokens where coalescing merged steps
     return {"code": str(code), "tokens": tokens, "failed": failed, "seconds": seconds, "tok_per_s": tokens / seconds,
-            "frontend_us_per_token": 1e6 * (after[0] - before[0]) / tokens,
+            "chunks_per_token": chunks / tokens, "frontend_us_per_token": 1e6 * (after[0] - before[0]) / tokens,
             "core_us_per_token": 1e6 * (after[1] - before[1]) / tokens, "load_average": os.getloadavg()}
 
 
@@ -143,7 +144,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare", type=Path, default=None, help="another checkout, measured in turns with this one")
-    parser.add_argument("--profile", action="store_true", help="one more run of this checkout under cProfile")
+    parser.add_argument("--profile", action="store_true", help="one more run of this checkout, sampled by py-spy")
     parser.add_argument("--results", default="48_frontend_cpu")
     args = parser.parse_args()
     codes = {"this": HERE} | ({"compare": args.compare.resolve()} if args.compare else {})
@@ -157,7 +158,8 @@ def main() -> None:
                 run = measure(model, codes[name], args.users, args.seed)
                 runs[name].append(run)
                 print(f"round {round_} {name}: frontend {run['frontend_us_per_token']:.1f} us/token, core "
-                      f"{run['core_us_per_token']:.1f} us/token, {run['tok_per_s']:.0f} tok/s, load {run['load_average'][0]:.1f}")
+                      f"{run['core_us_per_token']:.1f} us/token, {run['tok_per_s']:.0f} tok/s, "
+                      f"{run['chunks_per_token']:.2f} chunks/token, load {run['load_average'][0]:.1f}")
         profile = None
         if args.profile:
             run = measure(model, HERE, args.users, args.seed, profile=folder / "frontend.txt")
@@ -165,11 +167,11 @@ def main() -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     medians = {name: {key: statistics.median(r[key] for r in rs)
-                      for key in ("frontend_us_per_token", "core_us_per_token", "tok_per_s")}
+                      for key in ("frontend_us_per_token", "core_us_per_token", "tok_per_s", "chunks_per_token")}
                for name, rs in runs.items() if rs}
     for name, m in medians.items():
         print(f"{name} ({codes[name]}): median frontend {m['frontend_us_per_token']:.1f} us/token, "
-              f"core {m['core_us_per_token']:.1f}, {m['tok_per_s']:.0f} tok/s")
+              f"core {m['core_us_per_token']:.1f}, {m['tok_per_s']:.0f} tok/s, {m['chunks_per_token']:.2f} chunks/token")
     payload = {"machine": environment() | {"cpu_count": os.cpu_count()},
                "model": {"shape": CHEAP_SHAPE, "tokenizer": "the embedded model's"}, "engine": ENGINE,
                "workload": "chat", "streams": args.users, "requests_per_run": 2 * args.users,

@@ -36,8 +36,9 @@ import torch
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import ServerMetrics
+from minivllm.engine.output_processor import merge_deltas
 from minivllm.request.outputs import RequestOutput
-from minivllm.request.sampling_params import SamplingParams
+from minivllm.request.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("minivllm.entrypoints.openai")
 
@@ -62,18 +63,24 @@ class EngineFailed(EngineDead):
 class RequestStream:
     """One request's outputs, an async iterator fed by the engine thread (via the event loop).
 
-    Outputs are cumulative, so a reader that fell behind needs only the newest one: the stream
-    keeps just that (an error replaces it, and ends the stream), and under load a client gets
-    fewer, larger chunks rather than a growing backlog. No queue: one slot and, while the
-    reader waits, one future, since this runs once per token of every stream."""
+    Output coalescing: a reader that fell behind gets everything it missed as one output, so
+    under load a client gets fewer, larger chunks rather than a growing backlog (one event, one
+    socket write for several steps). A cumulative output holds all the earlier ones, so the
+    stream keeps just the newest; a DELTA one (`delta=True`) is merged into the unread one
+    (merge_deltas: text, tokens, logprobs in order). An error replaces it, and ends the stream.
+    No queue: one slot and, while the reader waits, one future, since this runs once per token
+    of every stream."""
 
-    def __init__(self, request_id: str):
-        self.request_id = request_id
+    def __init__(self, request_id: str, delta: bool = False):
+        self.request_id, self.delta = request_id, delta
         self._newest: RequestOutput | BaseException | None = None
         self._waiter: asyncio.Future | None = None
         self._done = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        unread = self._newest
+        if self.delta and isinstance(item, RequestOutput) and isinstance(unread, RequestOutput):
+            item = merge_deltas(unread, item)
         self._newest = item
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -213,7 +220,7 @@ class AsyncEngine:
             raise EngineFailed(self.error)
         if not self.alive:
             raise EngineDead("the engine is not running")
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, delta=params.output_kind is RequestOutputKind.DELTA)
         accepted = self._loop.create_future()
         self._inbox.put(partial(self._accept, _Request(request_id, prompt, params, time.perf_counter(), stream, accepted)))
         try:

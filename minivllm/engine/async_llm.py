@@ -48,9 +48,14 @@ from minivllm.request.messages import (
     StopSequences,
     Taken,
 )
-from minivllm.request.sampling_params import SamplingParams
+from minivllm.request.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("minivllm.entrypoints.openai")
+
+# How long the reader may keep the event loop while the core's messages wait (see _read): the
+# most a chunk or a new request's handler waits for it, and the window in which a stream that
+# is behind merges several steps into one chunk.
+HOLD_SECONDS = 0.010
 
 
 class RequestFailed(RuntimeError):
@@ -128,7 +133,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, request = self.input_processor.process(request_id, prompt, params, time.perf_counter())
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, delta=params.output_kind is RequestOutputKind.DELTA)
         self._streams[request_id] = stream
         self.output_processor.add_request(request, text)
         self.metrics.request_started(request_id, request.arrival_time, params)
@@ -146,7 +151,16 @@ class AsyncLLM:
             self.client.send(Abort([request_id]))
 
     async def _read(self) -> None:
-        """The core's messages, as they come, until it dies or the server stops."""
+        """The core's messages, as they come, until it dies or the server stops.
+
+        A message that is already there completes `receive()` without a pause, so while the
+        frontend is behind the core the reader takes in several steps in a row, and each stream
+        merges them (RequestStream: output coalescing): its client then gets one chunk, one
+        event, one socket write for those steps, which is what lets a saturated frontend catch
+        up. It keeps the loop for at most HOLD_SECONDS before giving it a turn: otherwise the
+        HTTP handlers would starve (new requests would wait for the whole backlog to reach
+        their first token)."""
+        last_turn = time.perf_counter()
         try:
             while True:
                 message = await self.client.receive()
@@ -156,10 +170,9 @@ class AsyncLLM:
                     self._refused(message)
                 elif isinstance(message, Failed):
                     raise CoreDied(f"the engine core failed: {message.message}")
-                # A message that is already there completes the await above without a pause: yield
-                # once per message, or a reader that has fallen behind starves the HTTP handlers
-                # (new requests would wait for the whole backlog to reach their first token).
-                await asyncio.sleep(0)
+                if time.perf_counter() - last_turn >= HOLD_SECONDS:
+                    await asyncio.sleep(0)
+                    last_turn = time.perf_counter()
         except CoreDied as err:
             log.error("%s", err)
             self.error = err

@@ -5,8 +5,10 @@ A stream of tokens is not a stream of characters. With byte-level BPE one charac
 several tokens (the default model spells "é" in two and "世" in three), and other tokenizers
 choose a token's leading space by looking at its neighbours; so decoding each token alone and
 gluing the pieces gives wrong text. `IncrementalDetokenizer` decodes a short window of recent
-tokens twice, without and with the new ones, and keeps the difference; while that difference
-ends in half a character (decoded as U+FFFD) it waits for the next token.
+tokens without and with the new ones, and keeps the difference; while that difference ends in
+half a character (decoded as U+FFFD) it waits for the next token. The window's text "with"
+is the next token's text "without", so it is kept, and a token costs one decode, not two
+(the window slides on, with one decode more, every few tokens: a decode's cost grows with it).
 
 Stop strings live in the text, not in the tokens: "\\n\\n" may be one token, or the end of one
 and the start of the next. So each step searches the new text *and the last len(stop) - 1
@@ -17,10 +19,13 @@ string, and text once shown is never taken back.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for its leading space
+WINDOW_TOKENS = 8  # the most tokens decoded at once before the window slides on
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: Sequence[str]) -> tuple[int, str] | None:
@@ -45,19 +50,36 @@ def find_stop_string(text: str, num_new_chars: int, stop: Sequence[str]) -> tupl
     # END SOLUTION
 
 
+def plain_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """tokenizer.decode(ids, skip_special_tokens=True) as a function of the ids, cheaper where
+    it can be: for a Rust-backed transformers tokenizer that cleans up no spaces, and whose
+    decoding no subclass changes, that is its Rust decoder alone, the same string without the
+    Python checks that cost more than decoding a few tokens (this runs once per token of every
+    stream). Any other tokenizer is called as it is."""
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and tokenizer.clean_up_tokenization_spaces is False
+            and type(tokenizer).decode is PreTrainedTokenizerBase.decode
+            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode):
+        rust = tokenizer.backend_tokenizer
+        return lambda ids: rust.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     """A sequence's output text, decoded a few tokens at a time; `text` only ever grows.
 
     Two offsets into `tokens` (the last few prompt tokens, then the output): text for
     everything before `read` is done; decoding starts at `prefix`, a few tokens earlier, so
-    the new tokens are decoded in context.
+    the new tokens are decoded in context. `prefix_text` is tokens[prefix:read] decoded (None:
+    not decoded yet).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int]):
         self.tokenizer = tokenizer
+        self._decode = plain_decoder(tokenizer)
         self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix = 0
         self.read = len(self.tokens)
+        self.prefix_text: str | None = None
         self.num_output_tokens = 0  # output tokens taken in so far
         self.text = ""
 
@@ -66,17 +88,18 @@ class IncrementalDetokenizer:
         that ends in half a character is held back until the rest comes, or until `final`."""
         self.tokens += new_token_ids
         self.num_output_tokens += len(new_token_ids)
-        before = self._decode(self.tokens[self.prefix:self.read])
+        if self.prefix_text is None:
+            self.prefix_text = self._decode(self.tokens[self.prefix:self.read])
         after = self._decode(self.tokens[self.prefix:])
         if after.endswith("\ufffd") and not final:
             return 0
-        new_text = after[len(before):]
+        new_text = after[len(self.prefix_text):]
         self.text += new_text
-        self.prefix, self.read = self.read, len(self.tokens)
+        if len(self.tokens) - self.prefix <= WINDOW_TOKENS:  # the same start: `after` is the next `before`
+            self.read, self.prefix_text = len(self.tokens), after
+        else:  # slide on: the window starts where this call's new tokens did
+            self.prefix, self.read, self.prefix_text = self.read, len(self.tokens), None
         return len(new_text)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 class StopChecker:

@@ -14,12 +14,13 @@ in the core. The text of a FINAL_ONLY request without stop strings is decoded on
 
 The three kinds of output (RequestOutputKind): CUMULATIVE, everything so far at every step
 that brings tokens; DELTA, only what is new since the request's last output (`new_delta`);
-FINAL_ONLY, once, at the end.
+FINAL_ONLY, once, at the end. A reader that falls behind a DELTA request must not lose any of
+its deltas: `merge_deltas` joins two in order, as the server's streams do while unread.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from minivllm.engine.detokenizer import StopChecker
@@ -95,6 +96,25 @@ def new_delta(completion: CompletionState) -> CompletionOutput:
     completion.sent_tokens, completion.sent_chars = len(completion.token_ids), len(text)
     return delta
     # END SOLUTION
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two DELTA outputs of one request, `first` then `then`, as the one output a reader would
+    have got had both steps been one (vLLM's RequestOutputCollector does the same): per
+    completion index, the texts and token ids concatenated, the logprobs joined in order, the
+    newer cumulative logprob, finish and stop reasons. What is whole in every output rather than
+    new (the prompt, its logprobs, the metrics, finished) is taken from `then`. Neither input
+    is changed."""
+    merged = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        before = merged.get(c.index)
+        if before is None:
+            merged[c.index] = c
+            continue
+        logprobs = None if before.logprobs is None and c.logprobs is None else (before.logprobs or []) + (c.logprobs or [])
+        merged[c.index] = CompletionOutput(c.index, before.text + c.text, before.token_ids + c.token_ids,
+                                           c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason)
+    return replace(then, outputs=[merged[i] for i in sorted(merged)])
 
 
 class OutputProcessor:

@@ -91,7 +91,7 @@ def new_deltas(output: RequestOutput, state: StreamState) -> list[Delta]:
         finished = c.finish_reason is not None
         if len(c.token_ids) == sent_tokens and not finished:
             continue
-        deltas.append(Delta(c.index, c.text[sent_text:], list(c.token_ids[sent_tokens:]), sent_tokens,
+        deltas.append(Delta(c.index, c.text[sent_text:], c.token_ids[sent_tokens:], sent_tokens,
                             c.finish_reason, c.stop_reason))
         state.text_sent[c.index], state.tokens_sent[c.index] = len(c.text), len(c.token_ids)
         if finished:
@@ -234,7 +234,10 @@ async def stream_events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunk
     last: dict[int, RequestOutput] = {}
     async for prompt, output in outputs:
         last[prompt] = output
-        for delta in new_deltas(output, states.setdefault(prompt, StreamState())):
+        state = states.get(prompt)
+        if state is None:
+            state = states[prompt] = StreamState()
+        for delta in new_deltas(output, state):
             event = None if continuous_usage else chunks.plain_event(delta, prompt)
             if event is None:
                 chunk = chunks.delta(delta, output, prompt)
