@@ -1,0 +1,245 @@
+"""Chapter 17's lesson, measured online: decode streams' inter-token latency while long prompts
+keep arriving, served by one engine or by a prefill and a decode instance behind `minivllm
+disagg-proxy`.
+
+The workload (`long_prompt_arrivals`): `streams` users, all sent at time 0, each stream a long
+answer to a short prompt; meanwhile a long prompt arrives every `interval` seconds and asks for
+a few tokens. In one engine each long prefill runs in a step beside the decodes, and that step's
+time is a gap in every stream (chapter 5's stall). Disaggregated, the prefill runs in the other
+instance; the decode instance loads the prompt's blocks and computes only its last tokens.
+
+The servers are `minivllm serve` processes on the cheap 2-layer model (split_serving.CHEAP_SHAPE,
+one torch thread each: a decode step costs a few milliseconds, as on a GPU), prefix caching
+off: one plain engine; a producer and a consumer sharing a folder (SharedStorageConnector) and
+the proxy in front of them. This process is the client: it sends every request as a stream at
+its planned time (load.stream_completion) and takes each chunk's arrival time. TTFT and ITL are
+latency.py's, as a user feels them: HTTP included and, disaggregated, the proxy's hop and the
+prefill instance's round trip.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from minivllm.course.bench.latency import percentiles
+from minivllm.course.bench.load import RequestResult, run_fast, stream_completion
+from minivllm.course.bench.split_serving import ENGINE, START_TIMEOUT, free_port
+
+BLOCK_SIZE = 16
+MODEL_NAME = "cheap"
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One request of the workload: sent `at` seconds after the run starts."""
+
+    at: float
+    prompt: list[int]
+    max_tokens: int
+    kind: str  # "stream" (a short prompt, a long answer: whose ITL is measured) or "long" (a long prompt)
+
+
+def long_prompt_arrivals(vocab_size: int, streams: int = 16, stream_prompt: int = 32, stream_tokens: int = 256,
+                         long_prompts: int = 20, long_prompt: int = 480, long_tokens: int = 8,
+                         interval: float = 0.1, first_long: float = 0.3, seed: int = 0) -> list[Planned]:
+    """The workload: `streams` requests at time 0 (random prompts of `stream_prompt` token ids,
+    `stream_tokens` output tokens each), then `long_prompts` requests of `long_prompt` tokens
+    asking for `long_tokens` each, the first at `first_long` s and one every `interval` s after.
+    Sorted by arrival. Raises ValueError for a count or length below 1, or a negative time."""
+    sizes = {"streams": streams, "stream_prompt": stream_prompt, "stream_tokens": stream_tokens,
+             "long_prompts": long_prompts, "long_prompt": long_prompt, "long_tokens": long_tokens}
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+    if interval < 0 or first_long < 0:
+        raise ValueError(f"interval and first_long must be at least 0, got {interval!r} and {first_long!r}")
+    rng = random.Random(seed)
+    prompt = lambda n: [rng.randrange(vocab_size) for _ in range(n)]
+    plan = [Planned(0.0, prompt(stream_prompt), stream_tokens, "stream") for _ in range(streams)]
+    plan += [Planned(first_long + i * interval, prompt(long_prompt), long_tokens, "long") for i in range(long_prompts)]
+    return sorted(plan, key=lambda p: p.at)
+
+
+async def replay(url: str, plan: list[Planned], timeout: float = 120.0) -> tuple[list[RequestResult], float]:
+    """Send each planned request as a stream to `url` at its time (one connection each).
+    Returns the results in plan order and the run's start (time.perf_counter())."""
+    start = time.perf_counter()
+
+    async def one(p: Planned) -> RequestResult:
+        await asyncio.sleep(max(0.0, p.at - (time.perf_counter() - start)))
+        async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(timeout)) as client:
+            return await stream_completion(client, MODEL_NAME, p.prompt, p.max_tokens, timeout)
+
+    return list(await asyncio.gather(*(one(p) for p in plan))), start
+
+
+def itl_points(result: RequestResult, start: float) -> list[tuple[float, float]]:
+    """(when, gap) for each of a request's inter-token gaps: when the later token arrived, in
+    seconds after `start`, and the gap in seconds. A request with n token arrivals has n - 1."""
+    times = result.token_times
+    return [(later - start, later - earlier) for earlier, later in itertools.pairwise(times)]
+
+
+def summarize(plan: list[Planned], results: list[RequestResult]) -> dict[str, Any]:
+    """The streams' ITL and both kinds' TTFT at p50/p90/p99 and the mean (milliseconds), and the
+    requests that failed (an error, or not exactly max_tokens tokens: load.stream_completion)."""
+    if len(plan) != len(results):
+        raise ValueError(f"{len(plan)} planned requests but {len(results)} results")
+    ms = lambda values: {k: 1e3 * v for k, v in percentiles(values).items()}
+    done = [(p, r) for p, r in zip(plan, results) if r.ok]
+    streams = [r for p, r in done if p.kind == "stream"]
+    longs = [r for p, r in done if p.kind == "long"]
+    summary: dict[str, Any] = {"requests": len(plan), "failed": len(plan) - len(done),
+                               "errors": sorted({r.error for r in results if r.error})[:5]}
+    if streams:
+        summary |= {"stream_itl_ms": ms([gap for r in streams for gap in r.itls]),
+                    "stream_ttft_ms": ms([r.ttft for r in streams])}
+    if longs:
+        summary["long_ttft_ms"] = ms([r.ttft for r in longs])
+    return summary
+
+
+def timelines(plan: list[Planned], results: list[RequestResult], start: float) -> dict[str, Any]:
+    """What the ITL-over-time figure draws, in ms after the start (0.1 ms steps): each stream's
+    token arrival times and each long prompt's arrival."""
+    return {"stream_token_ms": [[round(1e3 * (t - start), 1) for t in r.token_times]
+                                for p, r in zip(plan, results) if p.kind == "stream"],
+            "long_arrival_ms": [round(1e3 * p.at, 1) for p in plan if p.kind == "long"]}
+
+
+# ---- the servers ----
+
+def transfer_json(role: str, folder: Path) -> str:
+    return json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"shared_storage_path": str(folder)}})
+
+
+@contextmanager
+def started(command: list[str], ready: str, name: str) -> Iterator[str]:
+    """A process of ours (`python -m minivllm.entrypoints.cli ...`) that serves on 127.0.0.1;
+    yields once GET `ready` answers 200, and stops it on the way out (SIGTERM, kill after 30 s)."""
+    process = subprocess.Popen([sys.executable, "-m", "minivllm.entrypoints.cli", *command],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited: {process.stderr.read()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start within {START_TIMEOUT:g} s")
+            try:
+                if httpx.get(ready, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        yield ready
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def serve_command(model: Path, port: int, *extra: str) -> list[str]:
+    return ["serve", "--model", str(model), "--served-model-name", MODEL_NAME, "--port", str(port), "--threads", "1",
+            "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+            "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--no-enable-prefix-caching", *extra]
+
+
+@contextmanager
+def one_engine(model: Path) -> Iterator[str]:
+    """One `minivllm serve`; yields its url."""
+    port = free_port()
+    with started(serve_command(model, port), f"http://127.0.0.1:{port}/health", "the engine"):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def disaggregated(model: Path, folder: Path) -> Iterator[str]:
+    """A producer and a consumer sharing `folder`, and `minivllm disagg-proxy` in front; yields the proxy's url."""
+    prefill, decode, proxy = free_port(), free_port(), free_port()
+    with ExitStack() as stack:
+        for port, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+            command = serve_command(model, port, "--kv-transfer-config", transfer_json(role, folder))
+            stack.enter_context(started(command, f"http://127.0.0.1:{port}/health", f"the {role}"))
+        command = ["disagg-proxy", "--prefill", f"http://127.0.0.1:{prefill}", "--decode",
+                   f"http://127.0.0.1:{decode}", "--port", str(proxy)]
+        stack.enter_context(started(command, f"http://127.0.0.1:{proxy}/v1/models", "the proxy"))
+        yield f"http://127.0.0.1:{proxy}"
+
+
+SETUPS = ("one engine", "disaggregated")
+
+
+def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progress=print,
+            **workload: Any) -> dict[str, Any]:
+    """Both setups on the same requests, in turns round by round (the order alternating: the
+    machine is shared), each round on fresh prompts (seed + round). Servers start once and stay
+    up. Returns per setup: every round's summary and load average, the median over rounds of
+    each percentile, and the timelines of the round whose stream ITL p99 is the median; and the
+    block files the producer wrote against the full blocks of every prompt it was sent."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an integer of at least 1, got {rounds!r}")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
+    with tempfile.TemporaryDirectory(prefix="minivllm-kv-") as folder, ExitStack() as stack:
+        urls = {"one engine": stack.enter_context(one_engine(model)),
+                "disaggregated": stack.enter_context(disaggregated(model, Path(folder)))}
+        warm = long_prompt_arrivals(vocab_size, **(workload | {"streams": 2, "stream_tokens": 8, "long_prompts": 2}),
+                                    seed=seed - 1)
+        for url in urls.values():  # first requests pay one-time costs: not measured
+            run_fast(replay(url, warm))
+        sent = list(warm)
+        for round_ in range(rounds):
+            plan = long_prompt_arrivals(vocab_size, seed=seed + round_, **workload)
+            sent += plan
+            for name in (SETUPS if round_ % 2 == 0 else SETUPS[::-1]):
+                load = os.getloadavg()
+                results, start = run_fast(replay(urls[name], plan))
+                run = summarize(plan, results) | {"round": round_, "load_average": list(load),
+                                                  "timelines": timelines(plan, results, start)}
+                runs[name].append(run)
+                itl = run.get("stream_itl_ms", {})
+                progress(f"round {round_} {name}: stream ITL p50 {itl.get('p50', float('nan')):.1f} ms, "
+                         f"p99 {itl.get('p99', float('nan')):.1f} ms, failed {run['failed']} (load {load[0]:.1f})")
+        block_files = sum(1 for _ in Path(folder).rglob("*.safetensors"))
+    out: dict[str, Any] = {"block_files": block_files,
+                           "expected_block_files": sum(len(p.prompt) // BLOCK_SIZE for p in sent), "setups": {}}
+    for name, rs in runs.items():
+        out["setups"][name] = {"medians": median_summary(rs), "median_round": median_round(rs),
+                               "rounds": [{k: v for k, v in r.items() if k != "timelines"} for r in rs]}
+    return out
+
+
+def median_summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each measure's percentiles, the median over rounds (rounds missing a measure left out)."""
+    keys = ("stream_itl_ms", "stream_ttft_ms", "long_ttft_ms")
+    return {key: {p: statistics.median(r[key][p] for r in rounds if key in r) for p in ("p50", "p90", "p99", "mean")}
+            for key in keys if any(key in r for r in rounds)}
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round whose stream ITL p99 is the median (the lower middle one of an even count): its
+    number, load average and timelines."""
+    ordered = sorted(rounds, key=lambda r: r.get("stream_itl_ms", {}).get("p99", float("inf")))
+    chosen = ordered[(len(ordered) - 1) // 2]
+    return {"round": chosen["round"], "load_average": chosen["load_average"], **chosen["timelines"]}
