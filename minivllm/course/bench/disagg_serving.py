@@ -98,7 +98,9 @@ def itl_points(result: RequestResult, start: float) -> list[tuple[float, float]]
 
 def summarize(plan: list[Planned], results: list[RequestResult]) -> dict[str, Any]:
     """The streams' ITL and both kinds' TTFT at p50/p90/p99 and the mean (milliseconds), and the
-    requests that failed (an error, or not exactly max_tokens tokens: load.stream_completion)."""
+    requests that failed (an error, or not exactly max_tokens tokens: load.stream_completion).
+    An ITL is a gap between chunks, as load.py takes it: a server whose reader falls behind sends
+    several steps' tokens in one chunk, so the streams' tokens and chunks are counted too."""
     if len(plan) != len(results):
         raise ValueError(f"{len(plan)} planned requests but {len(results)} results")
     ms = lambda values: {k: 1e3 * v for k, v in percentiles(values).items()}
@@ -108,7 +110,9 @@ def summarize(plan: list[Planned], results: list[RequestResult]) -> dict[str, An
     summary: dict[str, Any] = {"requests": len(plan), "failed": len(plan) - len(done),
                                "errors": sorted({r.error for r in results if r.error})[:5]}
     if streams:
-        summary |= {"stream_itl_ms": ms([gap for r in streams for gap in r.itls]),
+        summary |= {"stream_tokens": sum(r.output_tokens for r in streams),
+                    "stream_chunks": sum(len(r.token_times) for r in streams),
+                    "stream_itl_ms": ms([gap for r in streams for gap in r.itls]),
                     "stream_ttft_ms": ms([r.ttft for r in streams])}
     if longs:
         summary["long_ttft_ms"] = ms([r.ttft for r in longs])
@@ -131,33 +135,46 @@ def transfer_json(role: str, folder: Path) -> str:
 
 
 @contextmanager
-def started(command: list[str], ready: str, name: str) -> Iterator[str]:
-    """A process of ours (`python -m minivllm.entrypoints.cli ...`) that serves on 127.0.0.1;
-    yields once GET `ready` answers 200, and stops it on the way out (SIGTERM, kill after 30 s)."""
-    process = subprocess.Popen([sys.executable, "-m", "minivllm.entrypoints.cli", *command],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+def running(servers: list[tuple[str, list[str], str]]) -> Iterator[None]:
+    """Processes of ours that serve on 127.0.0.1, each (name, `minivllm` arguments, a url that
+    answers GET with 200 once it is up), started all at once (a server takes seconds to start on a
+    loaded machine). Yields once every one is up; stops them all on the way out (SIGTERM, kill
+    after 30 s). Their stderr goes to a temporary file, quoted if one exits early."""
+    with ExitStack() as stack:
+        started = []
+        for name, arguments, ready in servers:
+            log = stack.enter_context(tempfile.TemporaryFile("w+"))
+            process = subprocess.Popen([sys.executable, "-m", "minivllm.entrypoints.cli", *arguments],
+                                       stdout=subprocess.DEVNULL, stderr=log, text=True)
+            stack.callback(stop, process)
+            started.append((name, process, ready, log))
         deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited: {process.stderr.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start within {START_TIMEOUT:g} s")
-            try:
-                if httpx.get(ready, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield ready
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        for name, process, ready, log in started:
+            while not answers(ready):
+                if process.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"{name} exited: {log.read()[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not start within {START_TIMEOUT:g} s")
+                time.sleep(0.2)
+        yield
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def serve_command(model: Path, port: int, *extra: str) -> list[str]:
@@ -166,26 +183,19 @@ def serve_command(model: Path, port: int, *extra: str) -> list[str]:
             "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--no-enable-prefix-caching", *extra]
 
 
-@contextmanager
-def one_engine(model: Path) -> Iterator[str]:
-    """One `minivllm serve`; yields its url."""
-    port = free_port()
-    with started(serve_command(model, port), f"http://127.0.0.1:{port}/health", "the engine"):
-        yield f"http://127.0.0.1:{port}"
-
-
-@contextmanager
-def disaggregated(model: Path, folder: Path) -> Iterator[str]:
-    """A producer and a consumer sharing `folder`, and `minivllm disagg-proxy` in front; yields the proxy's url."""
-    prefill, decode, proxy = free_port(), free_port(), free_port()
-    with ExitStack() as stack:
-        for port, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
-            command = serve_command(model, port, "--kv-transfer-config", transfer_json(role, folder))
-            stack.enter_context(started(command, f"http://127.0.0.1:{port}/health", f"the {role}"))
-        command = ["disagg-proxy", "--prefill", f"http://127.0.0.1:{prefill}", "--decode",
-                   f"http://127.0.0.1:{decode}", "--port", str(proxy)]
-        stack.enter_context(started(command, f"http://127.0.0.1:{proxy}/v1/models", "the proxy"))
-        yield f"http://127.0.0.1:{proxy}"
+def both_setups(model: Path, folder: Path) -> tuple[list[tuple[str, list[str], str]], dict[str, str]]:
+    """The servers of both setups (for `running`) and the url each setup is sent to: one
+    `minivllm serve`; a producer and a consumer sharing `folder`, and `minivllm disagg-proxy`
+    in front of them (up once the consumer is: it answers /v1/models by asking it)."""
+    engine, prefill, decode, proxy = (free_port() for _ in range(4))
+    local = "http://127.0.0.1:{}".format
+    servers = [("the engine", serve_command(model, engine), local(engine) + "/health")]
+    for port, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+        command = serve_command(model, port, "--kv-transfer-config", transfer_json(role, folder))
+        servers.append((f"the {role}", command, local(port) + "/health"))
+    servers.append(("the proxy", ["disagg-proxy", "--prefill", local(prefill), "--decode", local(decode), "--port",
+                                  str(proxy)], local(proxy) + "/v1/models"))
+    return servers, {"one engine": local(engine), "disaggregated": local(proxy)}
 
 
 SETUPS = ("one engine", "disaggregated")
@@ -201,26 +211,26 @@ def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progre
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an integer of at least 1, got {rounds!r}")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
-    with tempfile.TemporaryDirectory(prefix="minivllm-kv-") as folder, ExitStack() as stack:
-        urls = {"one engine": stack.enter_context(one_engine(model)),
-                "disaggregated": stack.enter_context(disaggregated(model, Path(folder)))}
-        warm = long_prompt_arrivals(vocab_size, **(workload | {"streams": 2, "stream_tokens": 8, "long_prompts": 2}),
-                                    seed=seed - 1)
-        for url in urls.values():  # first requests pay one-time costs: not measured
-            run_fast(replay(url, warm))
-        sent = list(warm)
-        for round_ in range(rounds):
-            plan = long_prompt_arrivals(vocab_size, seed=seed + round_, **workload)
-            sent += plan
-            for name in (SETUPS if round_ % 2 == 0 else SETUPS[::-1]):
-                load = os.getloadavg()
-                results, start = run_fast(replay(urls[name], plan))
-                run = summarize(plan, results) | {"round": round_, "load_average": list(load),
-                                                  "timelines": timelines(plan, results, start)}
-                runs[name].append(run)
-                itl = run.get("stream_itl_ms", {})
-                progress(f"round {round_} {name}: stream ITL p50 {itl.get('p50', float('nan')):.1f} ms, "
-                         f"p99 {itl.get('p99', float('nan')):.1f} ms, failed {run['failed']} (load {load[0]:.1f})")
+    warm = long_prompt_arrivals(vocab_size, **(workload | {"streams": 2, "stream_tokens": 8, "long_prompts": 2}),
+                                seed=seed - 1)
+    sent = list(warm)
+    with tempfile.TemporaryDirectory(prefix="minivllm-kv-") as folder:
+        servers, urls = both_setups(model, Path(folder))
+        with running(servers):
+            for url in urls.values():  # first requests pay one-time costs: not measured
+                run_fast(replay(url, warm))
+            for round_ in range(rounds):
+                plan = long_prompt_arrivals(vocab_size, seed=seed + round_, **workload)
+                sent += plan
+                for name in (SETUPS if round_ % 2 == 0 else SETUPS[::-1]):
+                    load = os.getloadavg()
+                    results, start = run_fast(replay(urls[name], plan))
+                    run = summarize(plan, results) | {"round": round_, "load_average": list(load),
+                                                      "timelines": timelines(plan, results, start)}
+                    runs[name].append(run)
+                    itl = run.get("stream_itl_ms", {})
+                    progress(f"round {round_} {name}: stream ITL p50 {itl.get('p50', float('nan')):.1f} ms, "
+                             f"p99 {itl.get('p99', float('nan')):.1f} ms, failed {run['failed']} (load {load[0]:.1f})")
         block_files = sum(1 for _ in Path(folder).rglob("*.safetensors"))
     out: dict[str, Any] = {"block_files": block_files,
                            "expected_block_files": sum(len(p.prompt) // BLOCK_SIZE for p in sent), "setups": {}}
