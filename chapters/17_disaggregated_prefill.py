@@ -116,7 +116,9 @@ def itl_under_long_prompts(rounds: int) -> dict[str, Any]:
                       str(sum(r["failed"] for r in setup["rounds"])))
     console.print(table)
     console.print(f"the producer wrote {result['block_files']} block files for the "
-                  f"{result['expected_block_files']} full blocks of the prompts it was sent")
+                  f"{result['expected_block_files']} full blocks of the prompts it was sent; prompts with blocks "
+                  f"not saved: {result['prompts_with_unsaved_blocks']}; failed in the warm-up: "
+                  f"{result['warm_up_failed']}")
     figure = plot_itl_over_time({name: s["median_round"] for name, s in result["setups"].items()},
                                 f"Decode streams' inter-token gaps, a {workload['long_prompt']}-token prompt every "
                                 f"{workload['interval']:g} s (cheap model, CPU, the median round)")

@@ -95,6 +95,7 @@ def test_both_setups_answer_every_request_and_the_producer_saves_every_full_bloc
                   long_prompts=2, long_prompt=100, long_tokens=2, interval=0.05, first_long=0.1)
     # warm-up (2 streams of 20 tokens: 1 block each, 2 long of 100: 6 each) and the round, the same again
     assert out["block_files"] == out["expected_block_files"] == 2 * (2 * 1 + 2 * 6)
+    assert (out["prompts_with_unsaved_blocks"], out["warm_up_failed"]) == ([], 0)
     for name, setup in out["setups"].items():
         (run,) = setup["rounds"]
         assert (run["requests"], run["failed"]) == (4, 0), (name, run["errors"])

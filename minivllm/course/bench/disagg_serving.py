@@ -40,6 +40,7 @@ import httpx
 from minivllm.course.bench.latency import percentiles
 from minivllm.course.bench.load import RequestResult, run_fast, stream_completion
 from minivllm.course.bench.split_serving import ENGINE, START_TIMEOUT, free_port
+from minivllm.kv_transfer.base import prefix_keys
 
 BLOCK_SIZE = 16
 MODEL_NAME = "cheap"
@@ -207,7 +208,8 @@ def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progre
     machine is shared), each round on fresh prompts (seed + round). Servers start once and stay
     up. Returns per setup: every round's summary and load average, the median over rounds of
     each percentile, and the timelines of the round whose stream ITL p99 is the median; and the
-    block files the producer wrote against the full blocks of every prompt it was sent."""
+    block files the producer wrote against the full blocks of every prompt it was sent (warm-up
+    included), with the prompts some of whose blocks no file holds (the consumer computed those)."""
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an integer of at least 1, got {rounds!r}")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
@@ -217,8 +219,9 @@ def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progre
     with tempfile.TemporaryDirectory(prefix="minivllm-kv-") as folder:
         servers, urls = both_setups(model, Path(folder))
         with running(servers):
+            warm_up_failed = 0
             for url in urls.values():  # first requests pay one-time costs: not measured
-                run_fast(replay(url, warm))
+                warm_up_failed += summarize(warm, run_fast(replay(url, warm))[0])["failed"]
             for round_ in range(rounds):
                 plan = long_prompt_arrivals(vocab_size, seed=seed + round_, **workload)
                 sent += plan
@@ -231,9 +234,12 @@ def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progre
                     itl = run.get("stream_itl_ms", {})
                     progress(f"round {round_} {name}: stream ITL p50 {itl.get('p50', float('nan')):.1f} ms, "
                              f"p99 {itl.get('p99', float('nan')):.1f} ms, failed {run['failed']} (load {load[0]:.1f})")
-        block_files = sum(1 for _ in Path(folder).rglob("*.safetensors"))
-    out: dict[str, Any] = {"block_files": block_files,
-                           "expected_block_files": sum(len(p.prompt) // BLOCK_SIZE for p in sent), "setups": {}}
+        saved = {path.stem for path in Path(folder).rglob("*.safetensors")}
+    unsaved = [(p.kind, sum(key not in saved for key in prefix_keys(p.prompt, BLOCK_SIZE))) for p in sent]
+    out: dict[str, Any] = {"block_files": len(saved),
+                           "expected_block_files": sum(len(p.prompt) // BLOCK_SIZE for p in sent),
+                           "prompts_with_unsaved_blocks": [{"kind": kind, "blocks": n} for kind, n in unsaved if n],
+                           "warm_up_failed": warm_up_failed, "setups": {}}
     for name, rs in runs.items():
         out["setups"][name] = {"medians": median_summary(rs), "median_round": median_round(rs),
                                "rounds": [{k: v for k, v in r.items() if k != "timelines"} for r in rs]}
