@@ -97,7 +97,7 @@ def timing_table(model, lengths: list[int], repeats: int, folder: str) -> list[d
 
 def itl_under_long_prompts(rounds: int) -> dict[str, Any]:
     """The --itl section: disagg_serving.measure on the cheap model, its table and figure."""
-    workload = {"streams": 8, "stream_prompt": 32, "stream_tokens": 128, "long_prompts": 8, "long_prompt": 480,
+    workload = {"streams": 8, "stream_prompt": 32, "stream_tokens": 128, "long_prompts": 60, "long_prompt": 480,
                 "long_tokens": 8, "interval": 0.15, "first_long": 0.3}
     with tempfile.TemporaryDirectory(prefix="minivllm-cheap-") as folder:
         model = write_cheap_model(Path(folder))
@@ -105,14 +105,16 @@ def itl_under_long_prompts(rounds: int) -> dict[str, Any]:
         load = list(os.getloadavg())
         result = disagg_serving.measure(model, vocab, rounds, progress=console.print, **workload)
     table = Table(title=f"Decode streams while a {workload['long_prompt']}-token prompt arrives every "
-                        f"{workload['interval']:g} s (ms, median of {rounds} rounds; load average {load[0]:.1f})")
+                        f"{workload['interval']:g} s (ms, median of {rounds} rounds; load average {load[0]:.1f}; "
+                        "long prompts and failures: all rounds)")
     for column in ("setup", "stream ITL p50", "p99", "stream TTFT p50", "p99", "long prompt TTFT p50", "p99",
-                   "failed"):
+                   "long prompts", "failed"):
         table.add_column(column, justify="left" if column == "setup" else "right")
     for name, setup in result["setups"].items():
         m = setup["medians"]
         table.add_row(name, *(f"{m[key][p]:.1f}" if key in m else "-" for key in
                                ("stream_itl_ms", "stream_ttft_ms", "long_ttft_ms") for p in ("p50", "p99")),
+                      str(sum(r["long_prompts_sent"] for r in setup["rounds"])),
                       str(sum(r["failed"] for r in setup["rounds"])))
     console.print(table)
     console.print(f"the producer wrote {result['block_files']} block files for the "

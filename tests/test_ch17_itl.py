@@ -4,10 +4,13 @@ picks for the figure, and, end to end on the cheap model, that both setups answe
 with exactly its tokens and that the producer wrote every full block it was sent."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 
+from minivllm.course.bench import disagg_serving
 from minivllm.course.bench.disagg_serving import (
     Planned,
     itl_points,
@@ -18,7 +21,7 @@ from minivllm.course.bench.disagg_serving import (
     summarize,
     timelines,
 )
-from minivllm.course.bench.load import RequestResult
+from minivllm.course.bench.load import RequestResult, run_fast
 from minivllm.course.bench.split_serving import write_cheap_model
 from minivllm.course.plots.disagg import plot_itl_over_time
 
@@ -49,15 +52,17 @@ def test_itl_and_ttft_from_arrival_times_by_hand():
     # stream b: sent at 0.0, tokens at 0.200, 0.201, 0.211 -> TTFT 200 ms, gaps 1 and 10 ms
     # long:     sent at 0.5, tokens at 0.800, 0.900         -> TTFT 300 ms (its gap is not a stream's)
     # failed:   a stream whose server reported 3 of its 4 tokens
+    # not sent: a long prompt due when every stream had ended (None)
     plan = [Planned(0.0, [1], 3, "stream"), Planned(0.0, [2], 3, "stream"), Planned(0.5, [3], 2, "long"),
-            Planned(0.0, [4], 4, "stream")]
+            Planned(0.0, [4], 4, "stream"), Planned(9.0, [5], 2, "long")]
     t0 = 10.0
     results = [result(t0, [t0 + 0.100, t0 + 0.105, t0 + 0.130]), result(t0, [t0 + 0.200, t0 + 0.201, t0 + 0.211]),
-               result(t0 + 0.5, [t0 + 0.8, t0 + 0.9]), result(t0, [t0 + 0.1, t0 + 0.2, t0 + 0.3], tokens=3)]
+               result(t0 + 0.5, [t0 + 0.8, t0 + 0.9]), result(t0, [t0 + 0.1, t0 + 0.2, t0 + 0.3], tokens=3), None]
     results[3].error = "expected 4 tokens, the server reported 3"
     assert [x for point in itl_points(results[0], t0) for x in point] == pytest.approx([0.105, 0.005, 0.130, 0.025])
     s = summarize(plan, results)
-    assert (s["requests"], s["failed"], s["errors"]) == (4, 1, ["expected 4 tokens, the server reported 3"])
+    assert (s["requests"], s["long_prompts_sent"], s["failed"]) == (4, 1, 1)
+    assert s["errors"] == ["expected 4 tokens, the server reported 3"]
     assert (s["stream_tokens"], s["stream_chunks"]) == (6, 6)
     # gaps sorted: 1, 5, 10, 25 ms; p50 halfway between 5 and 10; p99 at 0.99 * 3 = 2.97: 10 + 0.97 * 15
     assert s["stream_itl_ms"]["p50"] == pytest.approx(7.5)
@@ -68,8 +73,22 @@ def test_itl_and_ttft_from_arrival_times_by_hand():
     lines = timelines(plan, results, t0)
     assert lines == {"stream_token_ms": [[100.0, 105.0, 130.0], [200.0, 201.0, 211.0], [100.0, 200.0, 300.0]],
                      "long_arrival_ms": [500.0]}
-    with pytest.raises(ValueError, match="4 planned requests but 3 results"):
+    with pytest.raises(ValueError, match="5 planned requests but 3 results"):
         summarize(plan, results[:3])
+
+
+def test_long_prompts_are_sent_only_while_a_stream_runs(monkeypatch):
+    async def answer(client, model, prompt, max_tokens, timeout):  # a stream takes 0.3 s, a long prompt none
+        await asyncio.sleep(0.3 if prompt == [0] else 0.0)
+        return result(0.0, [1.0] * max_tokens)
+
+    monkeypatch.setattr(disagg_serving, "stream_completion", answer)
+    plan = [Planned(0.0, [0], 2, "stream"), Planned(0.0, [1], 1, "long"), Planned(0.1, [2], 1, "long"),
+            Planned(1.5, [3], 1, "long")]
+    begun = time.perf_counter()
+    results, start = run_fast(disagg_serving.replay("http://127.0.0.1:9", plan))
+    assert [r is not None for r in results] == [True, True, True, False]
+    assert begun <= start and time.perf_counter() - begun < 1.0, "a long prompt not sent is not waited for"
 
 
 def test_the_figures_round_is_the_median_one_and_medians_are_per_percentile():
@@ -92,13 +111,13 @@ def test_both_setups_answer_every_request_and_the_producer_saves_every_full_bloc
     model = write_cheap_model(tmp_path / "model")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     out = measure(model, vocab, rounds=1, progress=lambda _: None, streams=2, stream_prompt=20, stream_tokens=6,
-                  long_prompts=2, long_prompt=100, long_tokens=2, interval=0.05, first_long=0.1)
-    # warm-up (2 streams of 20 tokens: 1 block each, 2 long of 100: 6 each) and the round, the same again
+                  long_prompts=2, long_prompt=100, long_tokens=2, interval=0.0, first_long=0.0)
+    # warm-up (2 streams of 20 tokens: 1 block each, 2 long of 100, sent with them: 6 each) and the round, the same
     assert out["block_files"] == out["expected_block_files"] == 2 * (2 * 1 + 2 * 6)
     assert (out["prompts_with_unsaved_blocks"], out["warm_up_failed"]) == ([], 0)
     for name, setup in out["setups"].items():
         (run,) = setup["rounds"]
-        assert (run["requests"], run["failed"]) == (4, 0), (name, run["errors"])
+        assert (run["requests"], run["long_prompts_sent"], run["failed"]) == (4, 2, 0), (name, run["errors"])
         assert set(setup["medians"]) == {"stream_itl_ms", "stream_ttft_ms", "long_ttft_ms"}
         assert (run["stream_tokens"], len(setup["median_round"]["stream_token_ms"])) == (12, 2), name
         assert 2 <= run["stream_chunks"] <= 12, name  # a reader that falls behind gets several tokens a chunk

@@ -19,6 +19,7 @@ prefill instance's round trip.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -60,9 +61,10 @@ def long_prompt_arrivals(vocab_size: int, streams: int = 16, stream_prompt: int 
                          long_prompts: int = 20, long_prompt: int = 480, long_tokens: int = 8,
                          interval: float = 0.1, first_long: float = 0.3, seed: int = 0) -> list[Planned]:
     """The workload: `streams` requests at time 0 (random prompts of `stream_prompt` token ids,
-    `stream_tokens` output tokens each), then `long_prompts` requests of `long_prompt` tokens
-    asking for `long_tokens` each, the first at `first_long` s and one every `interval` s after.
-    Sorted by arrival. Raises ValueError for a count or length below 1, or a negative time."""
+    `stream_tokens` output tokens each), then at most `long_prompts` requests of `long_prompt`
+    tokens asking for `long_tokens` each, the first at `first_long` s and one every `interval` s
+    after (replay sends them only while a stream runs). Sorted by arrival. Raises ValueError for a
+    count or length below 1, or a negative time."""
     sizes = {"streams": streams, "stream_prompt": stream_prompt, "stream_tokens": stream_tokens,
              "long_prompts": long_prompts, "long_prompt": long_prompt, "long_tokens": long_tokens}
     for name, value in sizes.items():
@@ -77,15 +79,33 @@ def long_prompt_arrivals(vocab_size: int, streams: int = 16, stream_prompt: int 
     return sorted(plan, key=lambda p: p.at)
 
 
-async def replay(url: str, plan: list[Planned], timeout: float = 120.0) -> tuple[list[RequestResult], float]:
-    """Send each planned request as a stream to `url` at its time (one connection each).
-    Returns the results in plan order and the run's start (time.perf_counter())."""
+async def replay(url: str, plan: list[Planned], timeout: float = 120.0) -> tuple[list[RequestResult | None], float]:
+    """Send each planned request as a stream to `url` at its time (one connection each), a long
+    prompt only while some stream is still running: long prompts keep arriving as long as there
+    are decodes to disturb, however slowly a loaded machine serves them. Returns the results in
+    plan order (None: a long prompt not sent, every stream had ended) and the run's start
+    (time.perf_counter())."""
     start = time.perf_counter()
+    streams_left = sum(p.kind == "stream" for p in plan)
+    streams_done = asyncio.Event()
 
-    async def one(p: Planned) -> RequestResult:
-        await asyncio.sleep(max(0.0, p.at - (time.perf_counter() - start)))
+    async def one(p: Planned) -> RequestResult | None:
+        nonlocal streams_left
+        delay = max(0.0, p.at - (time.perf_counter() - start))
+        if p.kind == "long":
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(streams_done.wait(), delay)
+            if streams_done.is_set():
+                return None
+        else:
+            await asyncio.sleep(delay)
         async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(timeout)) as client:
-            return await stream_completion(client, MODEL_NAME, p.prompt, p.max_tokens, timeout)
+            result = await stream_completion(client, MODEL_NAME, p.prompt, p.max_tokens, timeout)
+        if p.kind == "stream":
+            streams_left -= 1
+            if streams_left == 0:
+                streams_done.set()
+        return result
 
     return list(await asyncio.gather(*(one(p) for p in plan))), start
 
@@ -97,19 +117,21 @@ def itl_points(result: RequestResult, start: float) -> list[tuple[float, float]]
     return [(later - start, later - earlier) for earlier, later in itertools.pairwise(times)]
 
 
-def summarize(plan: list[Planned], results: list[RequestResult]) -> dict[str, Any]:
-    """The streams' ITL and both kinds' TTFT at p50/p90/p99 and the mean (milliseconds), and the
-    requests that failed (an error, or not exactly max_tokens tokens: load.stream_completion).
+def summarize(plan: list[Planned], results: list[RequestResult | None]) -> dict[str, Any]:
+    """The streams' ITL and both kinds' TTFT at p50/p90/p99 and the mean (milliseconds), the
+    requests sent (a None result was not) and those that failed (an error, or not exactly
+    max_tokens tokens: load.stream_completion).
     An ITL is a gap between chunks, as load.py takes it: a server whose reader falls behind sends
     several steps' tokens in one chunk, so the streams' tokens and chunks are counted too."""
     if len(plan) != len(results):
         raise ValueError(f"{len(plan)} planned requests but {len(results)} results")
     ms = lambda values: {k: 1e3 * v for k, v in percentiles(values).items()}
-    done = [(p, r) for p, r in zip(plan, results) if r.ok]
+    sent = [(p, r) for p, r in zip(plan, results) if r is not None]
+    done = [(p, r) for p, r in sent if r.ok]
     streams = [r for p, r in done if p.kind == "stream"]
     longs = [r for p, r in done if p.kind == "long"]
-    summary: dict[str, Any] = {"requests": len(plan), "failed": len(plan) - len(done),
-                               "errors": sorted({r.error for r in results if r.error})[:5]}
+    summary: dict[str, Any] = {"requests": len(sent), "long_prompts_sent": sum(p.kind == "long" for p, _ in sent),
+                               "failed": len(sent) - len(done), "errors": sorted({r.error for _, r in sent if r.error})[:5]}
     if streams:
         summary |= {"stream_tokens": sum(r.output_tokens for r in streams),
                     "stream_chunks": sum(len(r.token_times) for r in streams),
@@ -120,12 +142,12 @@ def summarize(plan: list[Planned], results: list[RequestResult]) -> dict[str, An
     return summary
 
 
-def timelines(plan: list[Planned], results: list[RequestResult], start: float) -> dict[str, Any]:
+def timelines(plan: list[Planned], results: list[RequestResult | None], start: float) -> dict[str, Any]:
     """What the ITL-over-time figure draws, in ms after the start (0.1 ms steps): each stream's
-    token arrival times and each long prompt's arrival."""
+    token arrival times and each long prompt's arrival (those sent)."""
     return {"stream_token_ms": [[round(1e3 * (t - start), 1) for t in r.token_times]
                                 for p, r in zip(plan, results) if p.kind == "stream"],
-            "long_arrival_ms": [round(1e3 * p.at, 1) for p in plan if p.kind == "long"]}
+            "long_arrival_ms": [round(1e3 * p.at, 1) for p, r in zip(plan, results) if p.kind == "long" and r]}
 
 
 # ---- the servers ----
@@ -213,27 +235,30 @@ def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progre
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an integer of at least 1, got {rounds!r}")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
-    warm = long_prompt_arrivals(vocab_size, **(workload | {"streams": 2, "stream_tokens": 8, "long_prompts": 2}),
-                                seed=seed - 1)
-    sent = list(warm)
+    warm = long_prompt_arrivals(vocab_size, **(workload | {"streams": 2, "stream_tokens": 8, "long_prompts": 2,
+                                                           "first_long": 0.0, "interval": 0.0}), seed=seed - 1)
+    sent: list[Planned] = []  # what the producer was sent
     with tempfile.TemporaryDirectory(prefix="minivllm-kv-") as folder:
         servers, urls = both_setups(model, Path(folder))
         with running(servers):
             warm_up_failed = 0
-            for url in urls.values():  # first requests pay one-time costs: not measured
-                warm_up_failed += summarize(warm, run_fast(replay(url, warm))[0])["failed"]
+            for name, url in urls.items():  # first requests pay one-time costs: not measured
+                results = run_fast(replay(url, warm))[0]
+                warm_up_failed += summarize(warm, results)["failed"]
+                sent += [p for p, r in zip(warm, results) if r is not None and name == "disaggregated"]
             for round_ in range(rounds):
                 plan = long_prompt_arrivals(vocab_size, seed=seed + round_, **workload)
-                sent += plan
                 for name in (SETUPS if round_ % 2 == 0 else SETUPS[::-1]):
                     load = os.getloadavg()
                     results, start = run_fast(replay(urls[name], plan))
                     run = summarize(plan, results) | {"round": round_, "load_average": list(load),
                                                       "timelines": timelines(plan, results, start)}
                     runs[name].append(run)
+                    sent += [p for p, r in zip(plan, results) if r is not None and name == "disaggregated"]
                     itl = run.get("stream_itl_ms", {})
                     progress(f"round {round_} {name}: stream ITL p50 {itl.get('p50', float('nan')):.1f} ms, "
-                             f"p99 {itl.get('p99', float('nan')):.1f} ms, failed {run['failed']} (load {load[0]:.1f})")
+                             f"p99 {itl.get('p99', float('nan')):.1f} ms, {run['long_prompts_sent']} long prompts, "
+                             f"failed {run['failed']} (load {load[0]:.1f})")
         saved = {path.stem for path in Path(folder).rglob("*.safetensors")}
     unsaved = [(p.kind, sum(key not in saved for key in prefix_keys(p.prompt, BLOCK_SIZE))) for p in sent]
     out: dict[str, Any] = {"block_files": len(saved),
