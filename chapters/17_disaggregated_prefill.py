@@ -14,9 +14,10 @@
 
 With --itl, instead, the lesson online (course/bench/disagg_serving.py, a few minutes): decode
 streams' inter-token latency and TTFT while long prompts keep arriving, served by one engine or
-by a prefill and a decode instance behind `minivllm disagg-proxy`, `minivllm serve` processes of
-one torch thread each on the cheap 2-layer model (CPU only: --model and --device do not apply),
-in turns for --rounds rounds; figure: figures/17_itl_over_time.png.
+by a prefill and a decode instance behind `minivllm disagg-proxy` (their blocks crossing through
+files, or over ZMQ), all `minivllm serve` processes of one torch thread on the cheap 2-layer
+model (CPU only: --model and --device do not apply), in turns for --rounds rounds; figure:
+figures/17_itl_over_time.png.
 JSON: benchmarks/results/17_disaggregated_prefill_<device>.json; each mode replaces only its own
 sections (--itl: "itl_under_long_prompts") and keeps the other's.
 """
@@ -97,8 +98,8 @@ def timing_table(model, lengths: list[int], repeats: int, folder: str) -> list[d
 
 def itl_under_long_prompts(rounds: int) -> dict[str, Any]:
     """The --itl section: disagg_serving.measure on the cheap model, its table and figure."""
-    workload = {"streams": 8, "stream_prompt": 32, "stream_tokens": 128, "long_prompts": 60, "long_prompt": 480,
-                "long_tokens": 8, "interval": 0.15, "first_long": 0.3}
+    workload = {"streams": 8, "stream_prompt": 32, "stream_tokens": 128, "long_prompts": 30, "long_prompt": 480,
+                "long_tokens": 8, "interval": 0.3, "first_long": 0.3}
     with tempfile.TemporaryDirectory(prefix="minivllm-cheap-") as folder:
         model = write_cheap_model(Path(folder))
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -127,8 +128,7 @@ def itl_under_long_prompts(rounds: int) -> dict[str, Any]:
     console.print(f"saved {save(figure, '17_itl_over_time')}")
     return dict(environment=environment(), device="cpu", dtype="float32", threads_per_instance=1,
                 model={"shape": CHEAP_SHAPE, "tokenizer": "the embedded model's", "weights": "random (seed 0)"},
-                engine=ENGINE | {"block_size": disagg_serving.BLOCK_SIZE, "enable_prefix_caching": False,
-                                 "connector": "SharedStorageConnector"},
+                engine=ENGINE | {"block_size": disagg_serving.BLOCK_SIZE, "enable_prefix_caching": False},
                 workload=workload, rounds=rounds, created=time.strftime("%Y-%m-%d %H:%M:%S"),
                 load_average_at_start=load, load_average_at_end=list(os.getloadavg()),
                 command=f"python chapters/17_disaggregated_prefill.py --itl --rounds {rounds}", **result)

@@ -10,8 +10,8 @@ instance; the decode instance loads the prompt's blocks and computes only its la
 
 The servers are `minivllm serve` processes on the cheap 2-layer model (split_serving.CHEAP_SHAPE,
 one torch thread each: a decode step costs a few milliseconds, as on a GPU), prefix caching
-off: one plain engine; a producer and a consumer sharing a folder (SharedStorageConnector) and
-the proxy in front of them. This process is the client: it sends every request as a stream at
+off: one plain engine; and twice a producer, a consumer and the proxy in front of them, the
+blocks crossing once through files (SharedStorageConnector), once over ZMQ (ZmqConnector). This process is the client: it sends every request as a stream at
 its planned time (load.stream_completion) and takes each chunk's arrival time. TTFT and ITL are
 latency.py's, as a user feels them: HTTP included and, disaggregated, the proxy's hop and the
 prefill instance's round trip.
@@ -152,9 +152,12 @@ def timelines(plan: list[Planned], results: list[RequestResult | None], start: f
 
 # ---- the servers ----
 
-def transfer_json(role: str, folder: Path) -> str:
-    return json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"shared_storage_path": str(folder)}})
+def transfer_json(connector: str, role: str, where: Path | int) -> str:
+    """--kv-transfer-config for `role`: SharedStorageConnector in folder `where`, or ZmqConnector
+    on 127.0.0.1, port `where`."""
+    extra = ({"shared_storage_path": str(where)} if connector == "SharedStorageConnector"
+             else {"kv_host": "127.0.0.1", "kv_port": where})
+    return json.dumps({"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra})
 
 
 @contextmanager
@@ -206,55 +209,62 @@ def serve_command(model: Path, port: int, *extra: str) -> list[str]:
             "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--no-enable-prefix-caching", *extra]
 
 
-def both_setups(model: Path, folder: Path) -> tuple[list[tuple[str, list[str], str]], dict[str, str]]:
-    """The servers of both setups (for `running`) and the url each setup is sent to: one
-    `minivllm serve`; a producer and a consumer sharing `folder`, and `minivllm disagg-proxy`
-    in front of them (up once the consumer is: it answers /v1/models by asking it)."""
-    engine, prefill, decode, proxy = (free_port() for _ in range(4))
+SETUPS = ("one engine", "disaggregated, files", "disaggregated, ZMQ")
+
+
+def all_setups(model: Path, folder: Path) -> tuple[list[tuple[str, list[str], str]], dict[str, str]]:
+    """The servers of every setup (for `running`) and the url each setup (SETUPS) is sent to:
+    one `minivllm serve`; and twice a producer and a consumer with `minivllm disagg-proxy` in
+    front of them (up once the consumer is: it answers /v1/models by asking it), their blocks
+    crossing through files in `folder` (SharedStorageConnector) or over ZMQ (ZmqConnector)."""
     local = "http://127.0.0.1:{}".format
+    engine = free_port()
     servers = [("the engine", serve_command(model, engine), local(engine) + "/health")]
-    for port, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
-        command = serve_command(model, port, "--kv-transfer-config", transfer_json(role, folder))
-        servers.append((f"the {role}", command, local(port) + "/health"))
-    servers.append(("the proxy", ["disagg-proxy", "--prefill", local(prefill), "--decode", local(decode), "--port",
-                                  str(proxy)], local(proxy) + "/v1/models"))
-    return servers, {"one engine": local(engine), "disaggregated": local(proxy)}
-
-
-SETUPS = ("one engine", "disaggregated")
+    urls = {SETUPS[0]: local(engine)}
+    for setup, connector in zip(SETUPS[1:], ("SharedStorageConnector", "ZmqConnector")):
+        prefill, decode, proxy = free_port(), free_port(), free_port()
+        where = folder if connector == "SharedStorageConnector" else free_port()
+        for port, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+            command = serve_command(model, port, "--kv-transfer-config", transfer_json(connector, role, where))
+            servers.append((f"{setup}: the {role}", command, local(port) + "/health"))
+        servers.append((f"{setup}: the proxy", ["disagg-proxy", "--prefill", local(prefill), "--decode",
+                                                local(decode), "--port", str(proxy)], local(proxy) + "/v1/models"))
+        urls[setup] = local(proxy)
+    return servers, urls
 
 
 def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progress=print,
             **workload: Any) -> dict[str, Any]:
-    """Both setups on the same requests, in turns round by round (the order alternating: the
-    machine is shared), each round on fresh prompts (seed + round). Servers start once and stay
-    up. Returns per setup: every round's summary and load average, the median over rounds of
+    """Every setup (SETUPS) on the same requests, in turns round by round (the order rotating:
+    the machine is shared), each round on fresh prompts (seed + round). Servers start once and
+    stay up. Returns per setup: every round's summary and load average, the median over rounds of
     each percentile, and the timelines of the round whose stream ITL p99 is the median; and the
-    block files the producer wrote against the full blocks of every prompt it was sent (warm-up
-    included), with the prompts some of whose blocks no file holds (the consumer computed those)."""
+    block files the files setup's producer wrote against the full blocks of every prompt it was
+    sent (warm-up included), with the prompts some of whose blocks no file holds (the consumer
+    computed those)."""
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an integer of at least 1, got {rounds!r}")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
     warm = long_prompt_arrivals(vocab_size, **(workload | {"streams": 2, "stream_tokens": 8, "long_prompts": 2,
-                                                           "first_long": 0.0, "interval": 0.0}), seed=seed - 1)
+                                                           "first_long": 0.0, "interval": 0.0}), seed=seed + rounds)  # a seed no round uses
     sent: list[Planned] = []  # what the producer was sent
     with tempfile.TemporaryDirectory(prefix="minivllm-kv-") as folder:
-        servers, urls = both_setups(model, Path(folder))
+        servers, urls = all_setups(model, Path(folder))
         with running(servers):
             warm_up_failed = 0
             for name, url in urls.items():  # first requests pay one-time costs: not measured
                 results = run_fast(replay(url, warm))[0]
                 warm_up_failed += summarize(warm, results)["failed"]
-                sent += [p for p, r in zip(warm, results) if r is not None and name == "disaggregated"]
+                sent += [p for p, r in zip(warm, results) if r is not None and name == "disaggregated, files"]
             for round_ in range(rounds):
                 plan = long_prompt_arrivals(vocab_size, seed=seed + round_, **workload)
-                for name in (SETUPS if round_ % 2 == 0 else SETUPS[::-1]):
+                for name in SETUPS[round_ % len(SETUPS):] + SETUPS[:round_ % len(SETUPS)]:
                     load = os.getloadavg()
                     results, start = run_fast(replay(urls[name], plan))
                     run = summarize(plan, results) | {"round": round_, "load_average": list(load),
                                                       "timelines": timelines(plan, results, start)}
                     runs[name].append(run)
-                    sent += [p for p, r in zip(plan, results) if r is not None and name == "disaggregated"]
+                    sent += [p for p, r in zip(plan, results) if r is not None and name == "disaggregated, files"]
                     itl = run.get("stream_itl_ms", {})
                     progress(f"round {round_} {name}: stream ITL p50 {itl.get('p50', float('nan')):.1f} ms, "
                              f"p99 {itl.get('p99', float('nan')):.1f} ms, {run['long_prompts_sent']} long prompts, "
