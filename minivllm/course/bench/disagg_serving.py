@@ -164,7 +164,8 @@ def transfer_json(connector: str, role: str, where: Path | int) -> str:
 def running(servers: list[tuple[str, list[str], str]]) -> Iterator[None]:
     """Processes of ours that serve on 127.0.0.1, each (name, `minivllm` arguments, a url that
     answers GET with 200 once it is up), started all at once (a server takes seconds to start on a
-    loaded machine). Yields once every one is up; stops them all on the way out (SIGTERM, kill
+    loaded machine), each given START_TIMEOUT s from when the previous one was up. Yields once
+    every one is up; stops them all on the way out (SIGTERM, kill
     after 30 s). Their stderr goes to a temporary file, quoted if one exits early."""
     with ExitStack() as stack:
         started = []
@@ -174,8 +175,8 @@ def running(servers: list[tuple[str, list[str], str]]) -> Iterator[None]:
                                        stdout=subprocess.DEVNULL, stderr=log, text=True)
             stack.callback(stop, process)
             started.append((name, process, ready, log))
-        deadline = time.monotonic() + START_TIMEOUT
-        for name, process, ready, log in started:
+        for name, process, ready, log in started:  # each may take START_TIMEOUT more: they start side by side
+            deadline = time.monotonic() + START_TIMEOUT
             while not answers(ready):
                 if process.poll() is not None:
                     log.seek(0)
