@@ -1,7 +1,7 @@
 """Chapter 17's online measurement (course/bench/disagg_serving.py): the workload it sends, the
 ITL and TTFT it computes from token arrival times (against hand-computed values), the round it
-picks for the figure, and, end to end on the cheap model, that both setups answer every request
-with exactly its tokens and that the producer wrote every full block it was sent."""
+picks for the figure, and, end to end on the cheap model, that every setup answers every request
+with exactly its tokens and that the files setup's producer wrote every full block it was sent."""
 from __future__ import annotations
 
 import asyncio
@@ -107,7 +107,8 @@ def test_the_figures_round_is_the_median_one_and_medians_are_per_percentile():
 
 @pytest.mark.slow
 @pytest.mark.floors
-def test_both_setups_answer_every_request_and_the_producer_saves_every_full_block(tmp_path):
+@pytest.mark.timeout(600)  # seven servers start side by side: minutes on a loaded 2-core machine
+def test_every_setup_answers_every_request_and_the_producer_saves_every_full_block(tmp_path):
     model = write_cheap_model(tmp_path / "model")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     out = measure(model, vocab, rounds=1, progress=lambda _: None, streams=2, stream_prompt=20, stream_tokens=6,
