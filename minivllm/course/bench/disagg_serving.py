@@ -11,10 +11,11 @@ instance; the decode instance loads the prompt's blocks and computes only its la
 The servers are `minivllm serve` processes on the cheap 2-layer model (split_serving.CHEAP_SHAPE,
 one torch thread each: a decode step costs a few milliseconds, as on a GPU), prefix caching
 off: one plain engine; and twice a producer, a consumer and the proxy in front of them, the
-blocks crossing once through files (SharedStorageConnector), once over ZMQ (ZmqConnector). This process is the client: it sends every request as a stream at
-its planned time (load.stream_completion) and takes each chunk's arrival time. TTFT and ITL are
-latency.py's, as a user feels them: HTTP included and, disaggregated, the proxy's hop and the
-prefill instance's round trip.
+blocks crossing once through files (SharedStorageConnector), once over ZMQ (ZmqConnector).
+This process is the client: it sends every request as a stream at its planned time
+(load.stream_completion) and takes each chunk's arrival time. TTFT and ITL are latency.py's, as
+a user feels them: HTTP included and, disaggregated, the proxy's hop and the prefill instance's
+round trip.
 """
 from __future__ import annotations
 
@@ -73,7 +74,10 @@ def long_prompt_arrivals(vocab_size: int, streams: int = 16, stream_prompt: int 
     if interval < 0 or first_long < 0:
         raise ValueError(f"interval and first_long must be at least 0, got {interval!r} and {first_long!r}")
     rng = random.Random(seed)
-    prompt = lambda n: [rng.randrange(vocab_size) for _ in range(n)]
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
     plan = [Planned(0.0, prompt(stream_prompt), stream_tokens, "stream") for _ in range(streams)]
     plan += [Planned(first_long + i * interval, prompt(long_prompt), long_tokens, "long") for i in range(long_prompts)]
     return sorted(plan, key=lambda p: p.at)
@@ -125,7 +129,6 @@ def summarize(plan: list[Planned], results: list[RequestResult | None]) -> dict[
     several steps' tokens in one chunk, so the streams' tokens and chunks are counted too."""
     if len(plan) != len(results):
         raise ValueError(f"{len(plan)} planned requests but {len(results)} results")
-    ms = lambda values: {k: 1e3 * v for k, v in percentiles(values).items()}
     sent = [(p, r) for p, r in zip(plan, results) if r is not None]
     done = [(p, r) for p, r in sent if r.ok]
     streams = [r for p, r in done if p.kind == "stream"]
@@ -135,11 +138,16 @@ def summarize(plan: list[Planned], results: list[RequestResult | None]) -> dict[
     if streams:
         summary |= {"stream_tokens": sum(r.output_tokens for r in streams),
                     "stream_chunks": sum(len(r.token_times) for r in streams),
-                    "stream_itl_ms": ms([gap for r in streams for gap in r.itls]),
-                    "stream_ttft_ms": ms([r.ttft for r in streams])}
+                    "stream_itl_ms": milliseconds([gap for r in streams for gap in r.itls]),
+                    "stream_ttft_ms": milliseconds([r.ttft for r in streams])}
     if longs:
-        summary["long_ttft_ms"] = ms([r.ttft for r in longs])
+        summary["long_ttft_ms"] = milliseconds([r.ttft for r in longs])
     return summary
+
+
+def milliseconds(seconds: list[float]) -> dict[str, float]:
+    """latency.percentiles of some latencies, in milliseconds."""
+    return {k: 1e3 * v for k, v in percentiles(seconds).items()}
 
 
 def timelines(plan: list[Planned], results: list[RequestResult | None], start: float) -> dict[str, Any]:
@@ -165,8 +173,8 @@ def running(servers: list[tuple[str, list[str], str]]) -> Iterator[None]:
     """Processes of ours that serve on 127.0.0.1, each (name, `minivllm` arguments, a url that
     answers GET with 200 once it is up), started all at once (a server takes seconds to start on a
     loaded machine), each given START_TIMEOUT s from when the previous one was up. Yields once
-    every one is up; stops them all on the way out (SIGTERM, kill
-    after 30 s). Their stderr goes to a temporary file, quoted if one exits early."""
+    every one is up; stops them all on the way out (SIGTERM, kill after 30 s). Their stderr goes
+    to a temporary file, quoted if one exits early."""
     with ExitStack() as stack:
         started = []
         for name, arguments, ready in servers:
@@ -246,8 +254,8 @@ def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progre
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an integer of at least 1, got {rounds!r}")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
-    warm = long_prompt_arrivals(vocab_size, **(workload | {"streams": 2, "stream_tokens": 8, "long_prompts": 2,
-                                                           "first_long": 0.0, "interval": 0.0}), seed=seed + rounds)  # a seed no round uses
+    small = {"streams": 2, "stream_tokens": 8, "long_prompts": 2, "first_long": 0.0, "interval": 0.0}
+    warm = long_prompt_arrivals(vocab_size, **(workload | small), seed=seed + rounds)  # a seed no round uses
     sent: list[Planned] = []  # what the producer was sent
     with tempfile.TemporaryDirectory(prefix="minivllm-kv-") as folder:
         servers, urls = all_setups(model, Path(folder))
