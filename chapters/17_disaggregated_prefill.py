@@ -138,8 +138,8 @@ def main() -> None:
     parser = chapter_parser(__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="64,256,480", help="prompt lengths to time, comma-separated")
     parser.add_argument("--repeats", type=int, default=5, help="prompts per length (the median counts)")
-    parser.add_argument("--itl", action="store_true", help="only the online ITL measurement (two setups of servers)")
-    parser.add_argument("--rounds", type=int, default=3, help="--itl: rounds of both setups (the median counts)")
+    parser.add_argument("--itl", action="store_true", help="only the online ITL measurement (three setups of servers)")
+    parser.add_argument("--rounds", type=int, default=3, help="--itl: rounds of every setup (the median counts)")
     args = parser.parse_args()
     if args.itl:
         if args.rounds < 1:
