@@ -10,7 +10,9 @@ import time
 
 import pytest
 
+from minivllm import LLM, SamplingParams
 from minivllm.course.bench import disagg_serving
+from minivllm.course.bench.disagg import transfer_config
 from minivllm.course.bench.disagg_serving import (
     Planned,
     itl_points,
@@ -111,14 +113,22 @@ def test_the_figures_round_is_the_median_one_and_medians_are_per_percentile():
 def test_every_setup_answers_every_request_and_the_producer_saves_every_full_block(tmp_path):
     model = write_cheap_model(tmp_path / "model")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    # In-process first, the servers' path in small: a failure here (a stubbed exercise, say) comes with its own
+    # message, where the servers' would come as HTTP errors.
+    prompt, one_token = list(range(1, 21)), SamplingParams(max_tokens=1, temperature=0.0)
+    LLM(str(model), kv_transfer_config=transfer_config("kv_producer", str(tmp_path / "kv"))).generate(
+        [prompt], one_token, use_tqdm=False)
+    loaded = LLM(str(model), kv_transfer_config=transfer_config("kv_consumer", str(tmp_path / "kv"))).generate(
+        [prompt], one_token, use_tqdm=False)[0]
+    assert loaded.num_cached_tokens == 16, "the consumer loads the prompt's full block before its last token"
     out = measure(model, vocab, rounds=1, progress=lambda _: None, streams=2, stream_prompt=20, stream_tokens=6,
                   long_prompts=2, long_prompt=100, long_tokens=2, interval=0.0, first_long=0.0)
-    # warm-up (2 streams of 20 tokens: 1 block each, 2 long of 100, sent with them: 6 each) and the round, the same
-    assert out["block_files"] == out["expected_block_files"] == 2 * (2 * 1 + 2 * 6)
-    assert (out["prompts_with_unsaved_blocks"], out["warm_up_failed"]) == ([], 0)
     for name, setup in out["setups"].items():
         (run,) = setup["rounds"]
         assert (run["requests"], run["long_prompts_sent"], run["failed"]) == (4, 2, 0), (name, run["errors"])
         assert set(setup["medians"]) == {"stream_itl_ms", "stream_ttft_ms", "long_ttft_ms"}
         assert (run["stream_tokens"], len(setup["median_round"]["stream_token_ms"])) == (12, 2), name
         assert 2 <= run["stream_chunks"] <= 12, name  # a reader that falls behind gets several tokens a chunk
+    # warm-up (2 streams of 20 tokens: 1 block each, 2 long of 100, sent with them: 6 each) and the round, the same
+    assert out["block_files"] == out["expected_block_files"] == 2 * (2 * 1 + 2 * 6)
+    assert (out["prompts_with_unsaved_blocks"], out["warm_up_failed"]) == ([], 0)
