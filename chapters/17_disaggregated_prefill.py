@@ -1,6 +1,7 @@
 """Chapter 17 — disaggregated prefill: the prompt's K/V computed in one instance, decoded in another.
 
     python chapters/17_disaggregated_prefill.py [--lengths 64,256,480] [--repeats 5] [--model SRC] [--device cpu|cuda]
+    python chapters/17_disaggregated_prefill.py --itl [--rounds 3]
 
 - runs one request through a producer (kv_producer, max_tokens=1) and then a consumer
   (kv_consumer) sharing a folder (SharedStorageConnector), and prints every connector call in
@@ -10,23 +11,44 @@
 - measures, for prompts of --lengths tokens, the consumer's time to first token when it loads
   the prompt's blocks from the files against computing them itself (one engine), and the bytes
   that travel per prompt.
-JSON: benchmarks/results/17_disaggregated_prefill_<device>.json.
+
+With --itl, instead, the lesson online (course/bench/disagg_serving.py, a few minutes): decode
+streams' inter-token latency and TTFT while long prompts keep arriving, served by one engine or
+by a prefill and a decode instance behind `minivllm disagg-proxy` (their blocks crossing through
+files, or over ZMQ), all `minivllm serve` processes of one torch thread on the cheap 2-layer
+model (CPU only: --model and --device do not apply), in turns for --rounds rounds; figure:
+figures/17_itl_over_time.png.
+JSON: benchmarks/results/17_disaggregated_prefill_<device>.json; each mode replaces only its own
+sections (--itl: "itl_under_long_prompts") and keeps the other's.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.table import Table
 
 from minivllm import LLM, SamplingParams, load_tokenizer
+from minivllm.course.bench import disagg_serving
 from minivllm.course.bench.disagg import load_or_compute, record_calls, transfer_config
-from minivllm.course.bench.harness import chapter_parser, console, load_for_chapter, save_results
+from minivllm.course.bench.harness import (
+    RESULTS_DIR,
+    chapter_parser,
+    console,
+    load_for_chapter,
+    save_results,
+)
+from minivllm.course.bench.split_serving import CHEAP_SHAPE, ENGINE, write_cheap_model
+from minivllm.course.plots import save
+from minivllm.course.plots.disagg import plot_itl_over_time
 from minivllm.course.text import DEMO_PROMPT, random_prompts, show_sample
 from minivllm.machine import environment
+
 
 def one_request(model, tokenizer, folder: str) -> dict:
     """The connector's calls for one request through a producer, then a consumer."""
@@ -34,8 +56,8 @@ def one_request(model, tokenizer, folder: str) -> dict:
     prompt = tokenizer.encode(DEMO_PROMPT * 4) if tokenizer is not None else random_prompts([52], vocab)[0]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     log: list[str] = []
-    settings = dict(tokenizer=tokenizer, block_size=16, max_model_len=min(512, model.config.max_position_embeddings),
-                    enable_prefix_caching=False)
+    settings = {"tokenizer": tokenizer, "block_size": 16,
+                "max_model_len": min(512, model.config.max_position_embeddings), "enable_prefix_caching": False}
     producer = LLM(model, kv_transfer_config=transfer_config("kv_producer", folder), **settings)
     record_calls(producer, "producer", log)
     producer.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
@@ -55,8 +77,8 @@ def one_request(model, tokenizer, folder: str) -> dict:
     same = out.outputs[0].token_ids == alone.outputs[0].token_ids
     console.print(f"the consumer loaded {out.num_cached_tokens} of {len(prompt)} prompt tokens and gives one "
                   f"engine's tokens: {'✓' if same else '✗'}")
-    return dict(prompt_tokens=len(prompt), loaded_tokens=out.num_cached_tokens, same_tokens=same, calls=log,
-                files=len(files))
+    return {"prompt_tokens": len(prompt), "loaded_tokens": out.num_cached_tokens, "same_tokens": same, "calls": log,
+            "files": len(files)}
 
 
 def timing_table(model, lengths: list[int], repeats: int, folder: str) -> list[dict]:
@@ -74,11 +96,59 @@ def timing_table(model, lengths: list[int], repeats: int, folder: str) -> list[d
     return rows
 
 
+def itl_under_long_prompts(rounds: int) -> dict[str, Any]:
+    """The --itl section: disagg_serving.measure on the cheap model, its table and figure."""
+    workload = {"streams": 8, "stream_prompt": 32, "stream_tokens": 128, "long_prompts": 30, "long_prompt": 480,
+                "long_tokens": 8, "interval": 0.3, "first_long": 0.3}
+    with tempfile.TemporaryDirectory(prefix="minivllm-cheap-") as folder:
+        model = write_cheap_model(Path(folder))
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        load = list(os.getloadavg())
+        result = disagg_serving.measure(model, vocab, rounds, progress=console.print, **workload)
+    table = Table(title=f"Decode streams while a {workload['long_prompt']}-token prompt arrives every "
+                        f"{workload['interval']:g} s (ms, median of {rounds} rounds; load average {load[0]:.1f}; "
+                        "long prompts and failures: all rounds)")
+    for column in ("setup", "stream ITL p50", "p99", "stream TTFT p50", "p99", "long prompt TTFT p50", "p99",
+                   "long prompts", "failed"):
+        table.add_column(column, justify="left" if column == "setup" else "right")
+    for name, setup in result["setups"].items():
+        m = setup["medians"]
+        table.add_row(name, *(f"{m[key][p]:.1f}" if key in m else "-" for key in
+                               ("stream_itl_ms", "stream_ttft_ms", "long_ttft_ms") for p in ("p50", "p99")),
+                      str(sum(r["long_prompts_sent"] for r in setup["rounds"])),
+                      str(sum(r["failed"] for r in setup["rounds"])))
+    console.print(table)
+    console.print(f"the producer wrote {result['block_files']} block files for the "
+                  f"{result['expected_block_files']} full blocks of the prompts it was sent; prompts with blocks "
+                  f"not saved: {result['prompts_with_unsaved_blocks']}; failed in the warm-up: "
+                  f"{result['warm_up_failed']}")
+    figure = plot_itl_over_time({name: s["median_round"] for name, s in result["setups"].items()},
+                                f"Decode streams' inter-token gaps, a {workload['long_prompt']}-token prompt every "
+                                f"{workload['interval']:g} s (cheap model, CPU, the median round)")
+    console.print(f"saved {save(figure, '17_itl_over_time')}")
+    return dict(environment=environment(), device="cpu", dtype="float32", threads_per_instance=1,
+                model={"shape": CHEAP_SHAPE, "tokenizer": "the embedded model's", "weights": "random (seed 0)"},
+                engine=ENGINE | {"block_size": disagg_serving.BLOCK_SIZE, "enable_prefix_caching": False},
+                workload=workload, rounds=rounds, created=time.strftime("%Y-%m-%d %H:%M:%S"),
+                load_average_at_start=load, load_average_at_end=list(os.getloadavg()),
+                command=f"python chapters/17_disaggregated_prefill.py --itl --rounds {rounds}", **result)
+
+
 def main() -> None:
     parser = chapter_parser(__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="64,256,480", help="prompt lengths to time, comma-separated")
     parser.add_argument("--repeats", type=int, default=5, help="prompts per length (the median counts)")
+    parser.add_argument("--itl", action="store_true", help="only the online ITL measurement (three setups of servers)")
+    parser.add_argument("--rounds", type=int, default=3, help="--itl: rounds of every setup (the median counts)")
     args = parser.parse_args()
+    if args.itl:
+        if args.rounds < 1:
+            parser.error("--rounds must be at least 1")
+        start = time.perf_counter()
+        path = save_results("17_disaggregated_prefill_cpu", kept_sections("17_disaggregated_prefill_cpu") | {
+            "itl_under_long_prompts": itl_under_long_prompts(args.rounds)})
+        console.print(f"saved {path} ({time.perf_counter() - start:.0f} s)")
+        return
     try:
         args.lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:
@@ -91,13 +161,21 @@ def main() -> None:
         parser.error(f"--lengths: at most {model.config.max_position_embeddings - 16} for this model")
     tokenizer = load_tokenizer(args.model)
     with tempfile.TemporaryDirectory() as demo, tempfile.TemporaryDirectory() as timed:
-        facts = dict(one_request=one_request(model, tokenizer, demo),
-                     load_or_compute=timing_table(model, args.lengths, args.repeats, timed))
-    path = save_results(f"17_disaggregated_prefill_{model.device.type}", dict(
+        facts = {"one_request": one_request(model, tokenizer, demo),
+                 "load_or_compute": timing_table(model, args.lengths, args.repeats, timed)}
+    name = f"17_disaggregated_prefill_{model.device.type}"
+    kept = {k: v for k, v in kept_sections(name).items() if k == "itl_under_long_prompts"}
+    path = save_results(name, kept | dict(
         environment=environment(model), created=time.strftime("%Y-%m-%d %H:%M:%S"),
         threads=torch.get_num_threads(), load_average=list(os.getloadavg()), seconds=time.perf_counter() - start,
         **facts))
     console.print(f"saved {path} ({time.perf_counter() - start:.0f} s)")
+
+
+def kept_sections(name: str) -> dict[str, Any]:
+    """What benchmarks/results/<name>.json holds already (empty if nothing)."""
+    path = RESULTS_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""Chapter 17 as pictures: the stall a long prefill puts into a decode batch, and the two
-instances of disaggregated prefill with the KV blocks that cross between them.
+"""Chapter 17 as pictures: the stall a long prefill puts into a decode batch, the two
+instances of disaggregated prefill with the KV blocks that cross between them, and the decode
+streams' inter-token latency over time, served by one engine or by two instances.
 
-Both draw measured data: step times from course/bench/disagg.steps_beside_a_long_prompt, and
-the plans (KVConnectorMetadata) that record_calls kept, whose saves and loads name each block
-by its prefix key.
+All draw measured data: step times from course/bench/disagg.steps_beside_a_long_prompt, the
+plans (KVConnectorMetadata) that record_calls kept, whose saves and loads name each block by its
+prefix key, and the token arrival times of course/bench/disagg_serving.timelines.
 """
 from __future__ import annotations
 
+import itertools
+
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
@@ -101,3 +105,38 @@ def plot_disaggregation(keys: list[str], prompt_tokens: int, block_size: int, sa
 
 def _arrow(ax, start: tuple[float, float], end: tuple[float, float], color: str) -> None:
     ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=10, color=color, lw=1.2))
+
+
+def plot_itl_over_time(runs: dict[str, dict], title: str = "") -> Figure:
+    """One panel per setup (name -> timelines: stream_token_ms, each stream's token arrival
+    times, and long_arrival_ms, when each long prompt was sent; milliseconds after the start),
+    sharing both axes: a dot per inter-token gap of every stream, at the time its later token
+    arrived, its height the gap; a tick on top for each long prompt's arrival; dashed lines at
+    the gaps' p50 and p99 (numpy's percentiles, as latency.py takes them)."""
+    if not runs:
+        raise ValueError("plot_itl_over_time needs at least one run")
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 3.8), sharex=True, sharey=True, squeeze=False)
+    for ax, (name, run) in zip(axes[0], runs.items()):
+        when = [t for times in run["stream_token_ms"] for t in times[1:]]
+        gaps = [b - a for times in run["stream_token_ms"] for a, b in itertools.pairwise(times)]
+        if not gaps:
+            raise ValueError(f"{name}: no stream has two tokens, so there is no gap to draw")
+        ax.scatter(np.asarray(when) / 1e3, gaps, s=4, color=DECODE, alpha=0.5, linewidths=0)
+        for t in run["long_arrival_ms"]:
+            ax.axvline(t / 1e3, color=PREFILL, alpha=0.25, lw=0.8)
+        for q, style in ((50, "--"), (99, ":")):
+            value = float(np.percentile(gaps, q))
+            ax.axhline(value, color="#1a202c", ls=style, lw=1)
+            ax.annotate(f"p{q} {value:.1f} ms", (1.0, value), xycoords=("axes fraction", "data"), ha="right",
+                        va="bottom", fontsize=8)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("time since the first request (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("gap between a stream's tokens (ms)")
+    handles = [Rectangle((0, 0), 1, 1, color=DECODE), Rectangle((0, 0), 1, 1, color=PREFILL, alpha=0.4)]
+    fig.legend(handles, ["a decode stream's inter-token gap", "a long prompt arrives"], loc="lower center", ncol=2,
+               fontsize=8, bbox_to_anchor=(0.5, -0.06))
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
