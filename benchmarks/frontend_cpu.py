@@ -1,6 +1,6 @@
 """What one streamed token costs the server's frontend process, in CPU time (issue 48).
 
-    python benchmarks/frontend_cpu.py [--users 128] [--rounds 3] [--compare DIR] [--profile]
+    python benchmarks/frontend_cpu.py [--users 128] [--rounds 3] [--compare DIR] [--hide MODULE ...] [--profile]
 
 A GPU steps a batch of 128 in milliseconds; then the frontend (HTTP, detokenizing, JSON, one
 server-sent event per token) is what limits a server, and its CPU time per streamed token says
@@ -12,7 +12,10 @@ seconds (user + system) and its core process's, over the tokens the clients rece
 
 --compare DIR runs another checkout's server (say, the code before a change) in turns with this
 one, round by round, the order alternating, and reports medians: the machine is shared, so
-only numbers taken side by side compare. --profile adds one run of this checkout's frontend
+only numbers taken side by side compare. --hide MODULE ... runs the compare side (this checkout
+again when --compare is not given) as if those modules were not installed: `--hide uvloop
+httptools` measures what uvicorn's C HTTP parser and libuv loop save (without them it falls back
+to h11 and asyncio's own loop). --profile adds one run of this checkout's frontend
 sampled by py-spy (pip install py-spy) over the measured requests only, and keeps the functions
 with the largest share of the frontend's busy samples, their own and with what they call.
 Writes benchmarks/results/48_frontend_cpu.json.
@@ -51,14 +54,27 @@ from minivllm.machine import environment
 HERE = Path(__file__).resolve().parents[1]  # this checkout
 
 
-def start_server(model: Path, code: Path) -> tuple[subprocess.Popen, str]:
-    """`minivllm serve` (core process, one torch thread) from checkout `code`; returns it and its url."""
+def hiding(modules: list[str], folder: Path) -> str:
+    """A folder whose sitecustomize.py (run by every interpreter that has the folder on its
+    PYTHONPATH) makes `modules` unimportable, as if they were not installed; '' for none."""
+    if not modules:
+        return ""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{name!r}] = None  # import {name} raises ImportError\n"
+                                  for name in modules))
+    return str(folder)
+
+
+def start_server(model: Path, code: Path, hidden: str = "") -> tuple[subprocess.Popen, str]:
+    """`minivllm serve` (core process, one torch thread) from checkout `code`; returns it and its url.
+    hidden: a folder made by `hiding`, put first on the server's PYTHONPATH."""
     port = free_port()
     command = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--model", str(model), "--port", str(port),
                      "--threads", "1", "--engine-core", "process", "--max-num-seqs", str(ENGINE["max_num_seqs"]),
                      "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-waiting", "4096"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(code)))
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (hidden, str(code))))))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT
     while True:
@@ -88,9 +104,10 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def measure(model: Path, code: Path, users: int, seed: int, profile: Path | None = None) -> dict[str, Any]:
+def measure(model: Path, code: Path, users: int, seed: int, profile: Path | None = None,
+            hidden: str = "") -> dict[str, Any]:
     """One server from `code` under `users` streams: CPU per token of its frontend and its core."""
-    server, url = start_server(model, code)
+    server, url = start_server(model, code, hidden)
     try:
         frontend = psutil.Process(server.pid)
         name = httpx.get(f"{url}/v1/models", trust_env=False).json()["data"][0]["id"]
@@ -144,18 +161,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare", type=Path, default=None, help="another checkout, measured in turns with this one")
+    parser.add_argument("--hide", nargs="+", default=[], metavar="MODULE",
+                        help="run the compare side (this checkout if no --compare) without these modules")
     parser.add_argument("--profile", action="store_true", help="one more run of this checkout, sampled by py-spy")
     parser.add_argument("--results", default="48_frontend_cpu")
     args = parser.parse_args()
-    codes = {"this": HERE} | ({"compare": args.compare.resolve()} if args.compare else {})
+    if any(not name.isidentifier() for name in args.hide):
+        parser.error(f"--hide takes module names, got {args.hide}")
+    codes = {"this": HERE}
+    if args.compare or args.hide:
+        codes["compare"] = args.compare.resolve() if args.compare else HERE
     folder = Path(tempfile.mkdtemp(prefix="minivllm-cheap-"))
+    hidden = {"this": "", "compare": hiding(args.hide, folder / "hidden")}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in codes}
     try:
         model = write_cheap_model(folder / "model")
         for round_ in range(args.rounds):
             order = list(codes) if round_ % 2 == 0 else list(codes)[::-1]
             for name in order:
-                run = measure(model, codes[name], args.users, args.seed)
+                run = measure(model, codes[name], args.users, args.seed, hidden=hidden[name])
                 runs[name].append(run)
                 print(f"round {round_} {name}: frontend {run['frontend_us_per_token']:.1f} us/token, core "
                       f"{run['core_us_per_token']:.1f} us/token, {run['tok_per_s']:.0f} tok/s, "
@@ -175,7 +199,8 @@ def main() -> None:
     payload = {"machine": environment() | {"cpu_count": os.cpu_count()},
                "model": {"shape": CHEAP_SHAPE, "tokenizer": "the embedded model's"}, "engine": ENGINE,
                "workload": "chat", "streams": args.users, "requests_per_run": 2 * args.users,
-               "codes": {name: str(path) for name, path in codes.items()}, "medians": medians, "runs": runs,
+               "codes": {name: str(path) for name, path in codes.items()},
+               "hidden_on_compare_side": args.hide, "medians": medians, "runs": runs,
                "profile": profile, "command": " ".join(["python", "benchmarks/frontend_cpu.py"] + sys.argv[1:])}
     save_results(args.results, payload)
 
