@@ -9,7 +9,8 @@ README edit that changes a number without its file. A claim whose words the READ
 contains fails too: remove it here when the README drops the sentence.
 
 Covered: chapter 9's roofline on the H200 (also quoted in chapter 16), chapter 15 on this
-course's CPU and on the H200, chapter 16 on the CPU's stand-in device and on the H200.
+course's CPU and on the H200, chapter 16 on the CPU's stand-in device and on the H200, the burst
+of issue 48 on the CPU, chapter 17's streams beside long prompts on the CPU.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ ROOFLINE, ROOFLINE_2048 = "09_roofline_cuda.json", "09_roofline_cuda_budget2048.
 CH15_CPU, CH15_GPU = "15_core_process_cpu.json", "15_serving_gpu.json"
 CH16_CPU, CH16_GPU = "16_async_scheduling_cpu.json", "16_async_scheduling_cuda.json.gz"
 ONE, SPLIT = "one process (ch10)", "core process (ch15)"
+BURST, CH17_CPU = "48_burst_ttft_cpu.json", "17_disaggregated_prefill_cpu.json"
 
 
 DATASHEET_H200 = 4.8e12  # bytes/s: the README's second yardstick for the committed H200 run
@@ -115,6 +117,29 @@ def ch16_cpu_rows() -> list[Claim]:
                   tuple(number(("stand_in", "rows", i, c), "{:.2f}") for c in columns)) for i in range(4)]
 
 
+def burst_rows() -> list[Claim]:
+    """The burst table (issue 48): TTFT p50 and p99 and when the burst was done, per setting."""
+    return [Claim(f"| {label} | {{}} ms | {{}} ms | {{}} s |", BURST, (
+        number(("medians", setting, "ttft_p50"), "{:,.0f}", 1e3), number(("medians", setting, "ttft_p99"), "{:,.0f}", 1e3),
+        number(("medians", setting, "seconds"), "{:.2f}"))) for setting, label in (
+            ("budget 2048", "budget 2,048 (before)"), ("budget 8192", "budget 8,192 (the big-GPU default now)"),
+            ("budget 2048, cap 128", "budget 2,048, cap 128 tokens per prompt per step"))]
+
+
+def ch17_itl_rows() -> list[Claim]:
+    """Chapter 17's table: the streams' ITL p50 / p90 / p99 / mean, their TTFT p50 / p99 and the long
+    prompts' TTFT p50 / p99, per setup (medians over the rounds)."""
+    claims = []
+    for setup in ("one engine", "disaggregated, files", "disaggregated, ZMQ"):
+        at = ("itl_under_long_prompts", "setups", setup, "medians")
+        itl, ttft, long = at + ("stream_itl_ms",), at + ("stream_ttft_ms",), at + ("long_ttft_ms",)
+        claims.append(Claim(f"| {setup} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} |", CH17_CPU, (
+            number(itl + ("p50",), "{:.1f}"), number(itl + ("p90",), "{:,.0f}"), number(itl + ("p99",), "{:,.0f}"),
+            number(itl + ("mean",), "{:.1f}"), number(ttft + ("p50",), "{:,.0f}"), number(ttft + ("p99",), "{:,.0f}"),
+            number(long + ("p50",), "{:,.0f}"), number(long + ("p99",), "{:,.0f}"))))
+    return claims
+
+
 CLAIMS: list[Claim] = [
     # Chapter 9: the roofline on the H200, at the measured bandwidth and at the datasheet's.
     Claim("the floor is {} s at the measured copy bandwidth ({} TB/s", ROOFLINE,
@@ -148,6 +173,10 @@ CLAIMS: list[Claim] = [
           (number(("gpu", "sync", "plain_step_ms"), "{:.2f}"), number(("gpu", "sync", "device_busy_ms"), "{:.2f}"),
            number(("gpu", "sync_step_over_busy"), "{:.2f}"), number(("gpu", "async", "plain_step_ms"), "{:.2f}"),
            number(("gpu", "async", "device_busy_ms"), "{:.2f}"), number(("gpu", "async_step_over_busy"), "{:.3f}"))),
+    # Issue 48's burst of 128 requests on the CPU.
+    *burst_rows(),
+    # Chapter 17: decode streams beside long prompts, one engine against two instances, on the CPU.
+    *ch17_itl_rows(),
 ]
 
 
