@@ -6,7 +6,8 @@ fields vLLM always sends are there (null when unused), stream_options behaves as
 vLLM's routes (/v1/chat/completions/batch, /invocations, /load, /ping) and serve flags
 (--root-path, --uds, --return-tokens-as-token-ids, --enable-force-include-usage,
 --enable-prompt-tokens-details, --enable-per-request-metrics) and the ORCA load header work.
-What cannot be honoured (top_logprobs -1, use_beam_search, logprob_token_ids) is a 400 naming it.
+What cannot be honoured (top_logprobs -1, use_beam_search) is a 400 naming it (logprob_token_ids:
+test_ch10_logprob_token_ids.py).
 
 References: the chat template rendered by transformers' own apply_chat_template, logprobs from
 transformers' logits in float64, and the server's own answers to the equivalent plain request
@@ -259,7 +260,6 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(http):
     refused(http, "/v1/chat/completions", base | {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "vocabulary")
     refused(http, "/v1/chat/completions", base | {"prompt_logprobs": -1}, "prompt_logprobs")
     refused(http, "/v1/chat/completions", base | {"use_beam_search": True}, "use_beam_search")
-    refused(http, "/v1/chat/completions", base | {"logprobs": True, "logprob_token_ids": [5]}, "logprob_token_ids")
     refused(http, "/v1/chat/completions", base | {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs")
 
 

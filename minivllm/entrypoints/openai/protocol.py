@@ -69,9 +69,10 @@ UNSUPPORTED = {
     "tools": "tool calling", "functions": "function calling", "function_call": "function calling",
     "prediction": "predicted outputs", "audio": "audio output", "modalities": "output modalities",
     "use_beam_search": "beam search", "length_penalty": "beam search",
-    "logprob_token_ids": "logprobs of chosen token ids: the sampler reports the top-k alternatives only "
-                         "(top_logprobs)",
 }
+# top_logprobs_wanted's value for a request with logprob_token_ids: the answer shows every
+# logprob the engine reported for a token (the chosen one, then the listed ids), in that order.
+EVERY_REPORTED = -1
 
 
 def allows_none(annotation: Any) -> bool:
@@ -233,6 +234,8 @@ class SamplingFields(Lenient):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key is a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    # vLLM's: these tokens' logprobs at every generated position, in place of the top alternatives
+    logprob_token_ids: list[int] | None = None
 
     def logit_edits(self) -> dict[str, Any]:
         """The SamplingParams arguments of the three fields above. logit_bias's keys are token ids
@@ -283,6 +286,8 @@ class SamplingFields(Lenient):
                  "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
         kwargs = {name: getattr(self, name) for name in names if name in self.model_fields_set}
         kwargs |= self.logit_edits()
+        if self.logprob_token_ids is not None:
+            kwargs["logprob_token_ids"] = self.logprob_token_ids
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         constraint = self.constraint()
@@ -316,6 +321,19 @@ class SamplingFields(Lenient):
             return True, True
         options = self.stream_options or StreamOptions()
         return options.include_usage, options.include_usage and options.continuous_usage_stats
+
+    def check_listed(self, asked: bool, limit: int) -> None:
+        """logprob_token_ids within vLLM's rules: the request must ask for logprobs (the list
+        replaces their top-k alternatives), and the ids count against the server's cap on
+        alternatives (--max-logprobs). Their range is checked against the model's vocabulary
+        when the request is added (SamplingParams.for_model)."""
+        if self.logprob_token_ids is None:
+            return
+        if not asked:
+            raise APIError(400, "when using `logprob_token_ids`, `logprobs` must be set", param="logprob_token_ids")
+        if limit != -1 and len(self.logprob_token_ids) > limit:
+            raise APIError(400, f"logprob_token_ids lists {len(self.logprob_token_ids)} tokens, more than the {limit} "
+                                f"the server allows per token (its --max-logprobs)", param="logprob_token_ids")
 
     def logprobs_as_token_ids(self, default: bool) -> bool:
         """return_tokens_as_token_ids, or the server's --return-tokens-as-token-ids when not given."""
@@ -354,8 +372,9 @@ class CompletionRequest(SamplingFields):
 
     @property
     def top_logprobs_wanted(self) -> int | None:
-        """How many alternatives to show per token (None: no logprobs at all)."""
-        return self.logprobs
+        """How many alternatives to show per token (None: no logprobs at all; EVERY_REPORTED:
+        the listed logprob_token_ids)."""
+        return EVERY_REPORTED if self.logprob_token_ids is not None else self.logprobs
 
     @property
     def scores_only(self) -> bool:
@@ -366,6 +385,10 @@ class CompletionRequest(SamplingFields):
         """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
         self.logprobs = check_logprobs("logprobs", self.logprobs, limit, vocab_size)
         self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
+        self.check_listed(self.logprobs is not None, limit)
+        if self.logprob_token_ids is not None and self.scores_only:
+            raise APIError(400, "logprob_token_ids with max_tokens=0: there is no generated position to report "
+                                "(the echoed prompt's logprobs come from prompt_logprobs)", param="logprob_token_ids")
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for values the engine refuses (say temperature=-1). The engine
@@ -463,7 +486,10 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def top_logprobs_wanted(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+        """Alternatives to show per token (None: no logprobs; EVERY_REPORTED: logprob_token_ids)."""
+        if not self.logprobs:
+            return None
+        return EVERY_REPORTED if self.logprob_token_ids is not None else (self.top_logprobs or 0)
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -476,6 +502,7 @@ class ChatCompletionRequest(SamplingFields):
         """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
         self.top_logprobs = check_logprobs("top_logprobs", self.top_logprobs, limit, vocab_size)
         self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
+        self.check_listed(self.logprobs, limit)
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for values the engine refuses, or contradictory fields. With echo
@@ -488,7 +515,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("prompt_logprobs are not available when stream=true")
         kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens_field[1]}
         if self.logprobs:
-            kwargs["logprobs"] = self.top_logprobs_wanted  # 0: the chosen token's log-probability only
+            kwargs["logprobs"] = self.top_logprobs or 0  # 0: the chosen token's log-probability only
         if self.prompt_logprobs is not None and not self.stream:
             kwargs["prompt_logprobs"] = self.prompt_logprobs
         elif self.echo and not self.stream:
