@@ -29,7 +29,7 @@ import openai
 import pytest
 import torch
 import uvicorn
-from server_checks import MODEL, TIMEOUT, answer, chunks_of, expect_status
+from server_checks import MODEL, TIMEOUT, answer, chunks_of, expect_status, wait_until_idle
 from tiny_models import CHAT_TEMPLATE
 from transformers import AutoModelForCausalLM
 
@@ -400,12 +400,17 @@ def test_server_flags(default_model, tokenizer):
         prompt_tokens = first.usage.prompt_tokens
         assert prompt_tokens >= 32 and first.usage.prompt_tokens_details.cached_tokens == 0
         assert second.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
+        queued = "vllm:request_queue_time_seconds_sum{model_name=" + MODEL + "}"
+        before = wait_until_idle(http)[queued]
         start = time.perf_counter()
         timed = answer(http.post("/api/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 6,
                                                               "ignore_eos": True}))
         elapsed_ms = (time.perf_counter() - start) * 1000
         m = timed["metrics"]
         assert 0 < m["time_to_first_token_ms"] <= elapsed_ms and 0 <= m["generation_time_ms"] <= elapsed_ms
+        # arrival -> first scheduled: within the time to the first token, and the /metrics queue histogram's sample
+        assert 0 <= m["queue_time_ms"] <= m["time_to_first_token_ms"]
+        assert (wait_until_idle(http)[queued] - before) * 1000 == pytest.approx(m["queue_time_ms"], abs=1e-6)
         assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / 5) and m["tokens_per_second"] > 0
         # --max-logprobs -1 lifts the cap: -1 then asks for the whole distribution (vLLM's)
         vocab = answer(http.get("/server_info"))["vocab_size"]

@@ -80,9 +80,9 @@ def token_text(token_id: int, logprob: Logprob, as_token_id: bool = False) -> st
 
 def request_metrics(output: RequestOutput) -> dict[str, float | None]:
     """vLLM's per-request timings (--enable-per-request-metrics), in milliseconds, from the
-    engine's timestamps of one request: arrival, first token, last token. The engine does not
-    record when a request was first scheduled, so queue_time_ms is null and tokens_per_second
-    counts from arrival."""
+    engine's timestamps of one request: arrival, first scheduled (the first step that ran it),
+    first token, last token. queue_time_ms is arrival -> first scheduled, the same interval as
+    the /metrics histogram vllm:request_queue_time_seconds; tokens_per_second counts from arrival."""
     m: RequestMetrics | None = output.metrics
     tokens = sum(len(c.token_ids) for c in output.outputs)
     timings: dict[str, float | None] = dict.fromkeys(("time_to_first_token_ms", "generation_time_ms",
@@ -90,6 +90,8 @@ def request_metrics(output: RequestOutput) -> dict[str, float | None]:
     if m is None or m.first_token_time is None:
         return timings
     timings["time_to_first_token_ms"] = (m.first_token_time - m.arrival_time) * 1000
+    if m.first_scheduled_time is not None:
+        timings["queue_time_ms"] = (m.first_scheduled_time - m.arrival_time) * 1000
     if m.finished_time is not None:
         timings["generation_time_ms"] = (m.finished_time - m.first_token_time) * 1000
         if tokens > 1:
