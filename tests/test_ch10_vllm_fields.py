@@ -29,7 +29,14 @@ import openai
 import pytest
 import torch
 import uvicorn
-from server_checks import MODEL, TIMEOUT, answer, chunks_of, expect_status, wait_until_idle
+from server_checks import (
+    MODEL,
+    TIMEOUT,
+    answer,
+    chunks_of,
+    expect_status,
+    wait_until_idle,
+)
 from tiny_models import CHAT_TEMPLATE
 from transformers import AutoModelForCausalLM
 

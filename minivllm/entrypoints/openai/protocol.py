@@ -17,9 +17,10 @@ Besides OpenAI's fields, the requests take vLLM's extra sampling fields (top_k, 
 min_tokens, repetition_penalty, ignore_eos, stop_token_ids, truncate_prompt_tokens and
 truncation_side, add_special_tokens, request_id, the older guided_* names of
 structured_outputs), what vLLM adds to the answer (return_token_ids,
-return_tokens_as_token_ids, prompt_logprobs) and, on chat, how the chat template ends the
-prompt (add_generation_prompt, continue_final_message) and echo; the openai client sends them
-through `extra_body`. A message may have any role (the template decides what it makes of it),
+return_tokens_as_token_ids, prompt_logprobs, logprob_token_ids) and, on chat, how the chat
+template ends the prompt (add_generation_prompt, continue_final_message), what it renders
+(chat_template_kwargs, documents, and the request's own chat_template where the server trusts
+it) and echo; the openai client sends them through `extra_body`. A message may have any role (the template decides what it makes of it),
 and fields of a message nobody here reads are ignored, as in vLLM.
 
 A completion request may carry a batch of prompts (evaluation harnesses send them): each prompt
@@ -444,7 +445,25 @@ class ChatMessage(Lenient):
         return {"role": self.role, "content": self.text}
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(Lenient):
+    """vLLM's fields that shape how the chat template renders (chat and /tokenize). A request's
+    own template is a Jinja program the server would run: refused unless the server trusts its
+    clients (--trust-request-chat-template, vLLM's rule)."""
+
+    chat_template: str | None = Field(default=None, min_length=1)  # a Jinja template for this request only
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (say enable_thinking)
+    documents: list[dict[str, str]] | None = None  # retrieved documents, for templates that render them (RAG)
+
+    def template_options(self, trusted: bool) -> dict[str, Any]:
+        """render_chat's keywords for these fields; a request template the server does not trust is a 400."""
+        if self.chat_template is not None and not trusted:
+            raise APIError(400, "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                                "Refused request with untrusted chat template.", param="chat_template")
+        return {"chat_template": self.chat_template, "documents": self.documents,
+                "template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """POST /v1/chat/completions. The messages go through the checkpoint's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -551,7 +570,7 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
                 for conversation in self.messages]
 
 
-class TokenizeRequest(Lenient):
+class TokenizeRequest(ChatTemplateFields):
     """POST /tokenize (vLLM's): a text prompt, or chat messages rendered by the chat template."""
 
     model: str | None = None
@@ -567,6 +586,11 @@ class TokenizeRequest(Lenient):
     def one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give `prompt` (text) or `messages` (a chat), exactly one of them")
+        templating = [name for name in ("chat_template", "chat_template_kwargs", "documents", "tools")
+                      if getattr(self, name) is not None]
+        if self.prompt is not None and templating:
+            raise ValueError(f"{templating} shape how `messages` render: a text `prompt` does not go through the "
+                             f"chat template")
         if self.continue_final_message and "add_generation_prompt" in self.model_fields_set \
                 and self.add_generation_prompt:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to true")
