@@ -174,3 +174,15 @@ def test_bad_values_are_a_400_that_names_them(client):
             response = http.post(path, json=body)
             assert response.status_code == 400, (body, response.text)
             assert "logprob_token_ids" in response.text and words in response.text, response.text
+
+
+def test_a_core_process_reports_what_the_engine_thread_reports(client, default_model, chat_tokenizer):
+    """Chapter 15: the listed ids cross to a core process with the rest of the params."""
+    kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0, "extra_body": FIELDS}
+    threaded_answer = client[1].completions.create(**kwargs).choices[0].logprobs
+    engine = LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE)
+    with running_server(engine, core_process=True) as (url, _):
+        answer = openai_client(url).completions.create(**kwargs).choices[0].logprobs
+    assert answer.tokens == threaded_answer.tokens
+    for got, want in zip(answer.top_logprobs, threaded_answer.top_logprobs, strict=True):
+        assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), abs=1e-6)
