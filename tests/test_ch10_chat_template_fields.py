@@ -107,3 +107,15 @@ def test_bad_values_are_a_400_that_names_them(server):
         response = http.post(path, json=body)
         assert response.status_code == 400, (body, response.text)
         assert words in response.text, response.text
+
+
+def test_llm_chat_takes_chat_template_kwargs(default_model, reference):
+    """The offline LLM.chat (vLLM's keyword): the same prompt as transformers renders."""
+    tokenizer = minivllm.load_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    llm = minivllm.LLM(default_model, tokenizer=tokenizer, **ENGINE)
+    params = minivllm.SamplingParams(max_tokens=1, temperature=0)
+    out = llm.chat(MESSAGES, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": True})[0]
+    assert out.prompt_token_ids == expected(reference, enable_thinking=True) != expected(reference)
+    with pytest.raises(ValueError, match="tokenize"):
+        llm.chat(MESSAGES, params, use_tqdm=False, chat_template_kwargs={"tokenize": True})

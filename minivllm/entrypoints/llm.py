@@ -105,9 +105,11 @@ class LLM:
         self, messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
         chat_template: str | None = None, add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer a conversation ([{"role": "user", "content": "..."}, ...]) or a list of them,
-        through the tokenizer's chat template (or `chat_template`, a Jinja template). Each
+        through the tokenizer's chat template (or `chat_template`, a Jinja template), given
+        chat_template_kwargs as more variables (vLLM's; say enable_thinking). Each
         RequestOutput's prompt is the rendered conversation."""
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -120,7 +122,8 @@ class LLM:
             check_conversation(c, conversation)
         texts, prompts = [], []
         for conversation in conversations:
-            text, token_ids = render_chat(tokenizer, conversation, chat_template, add_generation_prompt)
+            text, token_ids = render_chat(tokenizer, conversation, chat_template, add_generation_prompt,
+                                          template_kwargs=chat_template_kwargs)
             texts.append(text)
             prompts.append({"prompt_token_ids": token_ids})
         outputs = self.generate(prompts, sampling_params, use_tqdm)
