@@ -33,7 +33,9 @@ def test_sampling_params_validate_and_ask_for_logprobs():
     assert params.logprob_columns == (3, 5)
     assert SamplingParams(logprobs=2).logprob_columns == 2
     assert SamplingParams(logprobs=4, logprob_token_ids=[1]).logprob_columns == (1,)  # the list replaces top-k
-    for bad, words in (([], "empty"), ([1, -2], "-2"), ([1.0], "1.0"), ([True], "True"), ("5", "list")):
+    assert len(SamplingParams(logprob_token_ids=list(range(128))).logprob_token_ids) == 128  # vLLM's bound
+    for bad, words in (([], "empty"), ([1, -2], "-2"), ([1.0], "1.0"), ([True], "True"), ("5", "list"),
+                       (list(range(129)), "128")):
         with pytest.raises(ValueError, match=words):
             SamplingParams(logprob_token_ids=bad)
     with pytest.raises(ValueError, match=r"\[100, 120\] in logprob_token_ids"):
@@ -62,7 +64,8 @@ def test_report_logprobs_gathers_listed_ids_with_true_ranks():
 
 @pytest.fixture(scope="module")
 def client(default_model, chat_tokenizer):
-    with running_server(LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE), max_logprobs=8) as (url, _):
+    # --max-logprobs caps top_logprobs, not the listed ids (vLLM's: those have a bound of their own, 128)
+    with running_server(LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE), max_logprobs=2) as (url, _):
         yield url, openai_client(url)
 
 
@@ -101,12 +104,12 @@ FIELDS = {"logprob_token_ids": LISTED, "return_token_ids": True, "return_tokens_
                          ids=["greedy", "sampled"])
 def test_chat_reports_the_listed_ids_at_every_position(client, hf_model, sampling):
     _, api = client
-    answer = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=3,
+    answer = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=2,
                                          extra_body=FIELDS | sampling)
     choice = answer.choices[0]
     first = choice.token_ids[0]
     listed = LISTED + [first]  # the first chosen token listed too: it appears once, first
-    answer = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=3,
+    answer = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=2,
                                          extra_body=FIELDS | sampling | {"logprob_token_ids": listed})
     choice = answer.choices[0]
     positions = [(c.logprob, [(token_id(a.token), a.logprob) for a in c.top_logprobs]) for c in choice.logprobs.content]
@@ -164,7 +167,7 @@ def test_bad_values_are_a_400_that_names_them(client):
         ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": []}, "empty"),
         ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": [5, "x"]}, "logprob_token_ids"),
         ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": [5, 10**7]}, "10000000"),
-        ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": list(range(9))}, "max-logprobs"),
+        ("/v1/chat/completions", chat | {"logprobs": True, "logprob_token_ids": list(range(129))}, "128"),
         ("/v1/completions", completion | {"logprob_token_ids": [5]}, "logprobs"),
         ("/v1/completions", completion | {"logprobs": 1, "logprob_token_ids": [5], "echo": True, "max_tokens": 0},
          "max_tokens=0"),

@@ -20,6 +20,9 @@ from minivllm.structured_outputs.params import StructuredOutputsParams
 # Temperatures below this are greedy (vLLM's threshold): dividing logits by 1e-30 overflows
 # to inf and the softmax of inf is NaN, while the distribution it stands for is the argmax.
 GREEDY_BELOW = 1e-5
+# The most logprob_token_ids one request may list (vLLM's bound): each is a column of every
+# generated position's report, gathered, copied to the host and sent to the client.
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 class RequestOutputKind(enum.Enum):
@@ -213,6 +216,9 @@ class SamplingParams:
         put("prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs, low=0, none=True))
         put("logprob_token_ids", _token_ids("logprob_token_ids", self.logprob_token_ids,
                                             "name the tokens to report (leave it out for the top-k alternatives)"))
+        if self.logprob_token_ids is not None and len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids lists {len(self.logprob_token_ids)} tokens, more than the "
+                             f"{MAX_LOGPROB_TOKEN_IDS} a request may (vLLM's bound)")
         if self.logprob_token_ids is not None and self.logprobs is None:
             put("logprobs", 0)  # the listed ids replace the alternatives; the chosen token's own is reported too
         if not isinstance(self.output_kind, RequestOutputKind):

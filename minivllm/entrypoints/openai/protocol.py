@@ -323,18 +323,13 @@ class SamplingFields(Lenient):
         options = self.stream_options or StreamOptions()
         return options.include_usage, options.include_usage and options.continuous_usage_stats
 
-    def check_listed(self, asked: bool, limit: int) -> None:
+    def check_listed(self, asked: bool) -> None:
         """logprob_token_ids within vLLM's rules: the request must ask for logprobs (the list
-        replaces their top-k alternatives), and the ids count against the server's cap on
-        alternatives (--max-logprobs). Their range is checked against the model's vocabulary
-        when the request is added (SamplingParams.for_model)."""
-        if self.logprob_token_ids is None:
-            return
-        if not asked:
+        replaces their top-k alternatives). SamplingParams checks the list itself (at most 128
+        ids, vLLM's bound, not the server's --max-logprobs), and their range against the
+        model's vocabulary when the request is added (SamplingParams.for_model)."""
+        if self.logprob_token_ids is not None and not asked:
             raise APIError(400, "when using `logprob_token_ids`, `logprobs` must be set", param="logprob_token_ids")
-        if limit != -1 and len(self.logprob_token_ids) > limit:
-            raise APIError(400, f"logprob_token_ids lists {len(self.logprob_token_ids)} tokens, more than the {limit} "
-                                f"the server allows per token (its --max-logprobs)", param="logprob_token_ids")
 
     def logprobs_as_token_ids(self, default: bool) -> bool:
         """return_tokens_as_token_ids, or the server's --return-tokens-as-token-ids when not given."""
@@ -386,7 +381,7 @@ class CompletionRequest(SamplingFields):
         """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
         self.logprobs = check_logprobs("logprobs", self.logprobs, limit, vocab_size)
         self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
-        self.check_listed(self.logprobs is not None, limit)
+        self.check_listed(self.logprobs is not None)
         if self.logprob_token_ids is not None and self.scores_only:
             raise APIError(400, "logprob_token_ids with max_tokens=0: there is no generated position to report "
                                 "(the echoed prompt's logprobs come from prompt_logprobs)", param="logprob_token_ids")
@@ -521,7 +516,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
         self.top_logprobs = check_logprobs("top_logprobs", self.top_logprobs, limit, vocab_size)
         self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
-        self.check_listed(self.logprobs, limit)
+        self.check_listed(self.logprobs)
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for values the engine refuses, or contradictory fields. With echo
