@@ -464,6 +464,8 @@ def test_serve_flags_reach_the_app():
     assert options == {"max_waiting": 512, "static_batch_size": 4, "max_logprobs": 5, "api_key": KEY,
                        "max_request_bytes": 1000, "root_path": "", "return_tokens_as_token_ids": False,
                        "enable_force_include_usage": False, "enable_prompt_tokens_details": False,
-                       "enable_per_request_metrics": False}
+                       "enable_per_request_metrics": False, "trust_request_chat_template": False}
+    assert server_options(build_parser().parse_args(["serve", "--trust-request-chat-template"]))[
+        "trust_request_chat_template"] is True
     assert server_options(build_parser().parse_args(["serve"]))["max_request_bytes"] == 4 * 2**20
     assert server_options(build_parser().parse_args(["serve"]))["max_logprobs"] == 20  # vLLM's default

@@ -6,7 +6,8 @@ fields vLLM always sends are there (null when unused), stream_options behaves as
 vLLM's routes (/v1/chat/completions/batch, /invocations, /load, /ping) and serve flags
 (--root-path, --uds, --return-tokens-as-token-ids, --enable-force-include-usage,
 --enable-prompt-tokens-details, --enable-per-request-metrics) and the ORCA load header work.
-What cannot be honoured (top_logprobs -1, use_beam_search, logprob_token_ids) is a 400 naming it.
+What cannot be honoured (top_logprobs -1, use_beam_search) is a 400 naming it (logprob_token_ids:
+test_ch10_logprob_token_ids.py).
 
 References: the chat template rendered by transformers' own apply_chat_template, logprobs from
 transformers' logits in float64, and the server's own answers to the equivalent plain request
@@ -28,7 +29,14 @@ import openai
 import pytest
 import torch
 import uvicorn
-from server_checks import MODEL, TIMEOUT, answer, chunks_of, expect_status
+from server_checks import (
+    MODEL,
+    TIMEOUT,
+    answer,
+    chunks_of,
+    expect_status,
+    wait_until_idle,
+)
 from tiny_models import CHAT_TEMPLATE
 from transformers import AutoModelForCausalLM
 
@@ -259,7 +267,6 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(http):
     refused(http, "/v1/chat/completions", base | {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "vocabulary")
     refused(http, "/v1/chat/completions", base | {"prompt_logprobs": -1}, "prompt_logprobs")
     refused(http, "/v1/chat/completions", base | {"use_beam_search": True}, "use_beam_search")
-    refused(http, "/v1/chat/completions", base | {"logprobs": True, "logprob_token_ids": [5]}, "logprob_token_ids")
     refused(http, "/v1/chat/completions", base | {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs")
 
 
@@ -400,12 +407,17 @@ def test_server_flags(default_model, tokenizer):
         prompt_tokens = first.usage.prompt_tokens
         assert prompt_tokens >= 32 and first.usage.prompt_tokens_details.cached_tokens == 0
         assert second.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
+        queued = "vllm:request_queue_time_seconds_sum{model_name=" + MODEL + "}"
+        before = wait_until_idle(http)[queued]
         start = time.perf_counter()
         timed = answer(http.post("/api/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 6,
                                                               "ignore_eos": True}))
         elapsed_ms = (time.perf_counter() - start) * 1000
         m = timed["metrics"]
         assert 0 < m["time_to_first_token_ms"] <= elapsed_ms and 0 <= m["generation_time_ms"] <= elapsed_ms
+        # arrival -> first scheduled: within the time to the first token, and the /metrics queue histogram's sample
+        assert 0 <= m["queue_time_ms"] <= m["time_to_first_token_ms"]
+        assert (wait_until_idle(http)[queued] - before) * 1000 == pytest.approx(m["queue_time_ms"], abs=1e-6)
         assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / 5) and m["tokens_per_second"] > 0
         # --max-logprobs -1 lifts the cap: -1 then asks for the whole distribution (vLLM's)
         vocab = answer(http.get("/server_info"))["vocab_size"]

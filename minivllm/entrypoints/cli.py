@@ -70,7 +70,8 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 enable_force_include_usage=args.enable_force_include_usage,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                enable_per_request_metrics=args.enable_per_request_metrics)
+                enable_per_request_metrics=args.enable_per_request_metrics,
+                trust_request_chat_template=args.trust_request_chat_template)
 
 
 def engine_core(args: argparse.Namespace) -> str:
@@ -230,6 +231,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--enable-per-request-metrics", action="store_true",
                        help='a "metrics" field with each answer\'s timings (a stream: on its usage chunk; vLLM\'s flag)')
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) for models without one")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a request bring its own chat_template (Jinja the server runs; vLLM's flag)")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the model (default: torch's); leave a core to the event loop and clients")
     serve.add_argument("--engine-core", default=None, choices=["process", "thread"],

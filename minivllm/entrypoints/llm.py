@@ -9,6 +9,7 @@ chapter 14), is LLMEngine's client's business (engine/core_client.py), not this 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import numbers
 from collections.abc import Sequence
@@ -104,9 +105,11 @@ class LLM:
         self, messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
         chat_template: str | None = None, add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer a conversation ([{"role": "user", "content": "..."}, ...]) or a list of them,
-        through the tokenizer's chat template (or `chat_template`, a Jinja template). Each
+        through the tokenizer's chat template (or `chat_template`, a Jinja template), given
+        chat_template_kwargs as more variables (vLLM's; say enable_thinking). Each
         RequestOutput's prompt is the rendered conversation."""
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -119,7 +122,8 @@ class LLM:
             check_conversation(c, conversation)
         texts, prompts = [], []
         for conversation in conversations:
-            text, token_ids = render_chat(tokenizer, conversation, chat_template, add_generation_prompt)
+            text, token_ids = render_chat(tokenizer, conversation, chat_template, add_generation_prompt,
+                                          template_kwargs=chat_template_kwargs)
             texts.append(text)
             prompts.append({"prompt_token_ids": token_ids})
         outputs = self.generate(prompts, sampling_params, use_tqdm)
@@ -157,16 +161,28 @@ def is_single_prompt(prompts: Any) -> bool:
 
 def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]], chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+                tools: list[dict[str, Any]] | None = None, documents: list[dict[str, str]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """The messages rendered by the tokenizer's chat template (or `chat_template`), and the token
     ids of that text. The template writes the special tokens itself, so encoding adds none (a
     BOS twice would change the prompt). Used by LLM.chat and the server's chat endpoint.
     continue_final_message: the text ends inside the last message (whatever the template writes
-    after it is cut), so that the model continues it; tools: tool definitions for templates that
-    render them."""
+    after it is cut), so that the model continues it; tools: tool definitions, documents:
+    retrieved documents (say {"title", "text"} dicts), for templates that render them;
+    template_kwargs: more variables for the template (vLLM's chat_template_kwargs, such as
+    enable_thinking; a template that does not read one ignores it). A template variable can be
+    set here, a setting of the rendering cannot: a name that is one of apply_chat_template's
+    own arguments (tokenize, chat_template, add_generation_prompt, ...) is a ValueError, since
+    it would change what this function returns or go around its arguments."""
+    template_kwargs = dict(template_kwargs or {})
+    own = sorted(set(template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
+    if own:
+        raise ValueError(f"chat_template_kwargs cannot set {own}: they are settings of the rendering, not variables "
+                         f"of the template (the request has fields for the ones that matter)")
     text = tokenizer.apply_chat_template(list(messages), chat_template=chat_template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message, tools=tools)
+                                         continue_final_message=continue_final_message, tools=tools,
+                                         documents=documents, **template_kwargs)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -20,6 +20,9 @@ from minivllm.structured_outputs.params import StructuredOutputsParams
 # Temperatures below this are greedy (vLLM's threshold): dividing logits by 1e-30 overflows
 # to inf and the softmax of inf is NaN, while the distribution it stands for is the argmax.
 GREEDY_BELOW = 1e-5
+# The most logprob_token_ids one request may list (vLLM's bound): each is a column of every
+# generated position's report, gathered, copied to the host and sent to the client.
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 class RequestOutputKind(enum.Enum):
@@ -76,8 +79,9 @@ def _is_token_id(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 0
 
 
-def _token_ids(name: str, value: Any) -> tuple[int, ...] | None:
-    """allowed_token_ids: None, or a non-empty list of token ids (every bad item named at once)."""
+def _token_ids(name: str, value: Any, empty: str) -> tuple[int, ...] | None:
+    """None, or a non-empty list of token ids (every bad item named at once; `empty` says why
+    an empty list is refused)."""
     if value is None:
         return None
     if not isinstance(value, list | tuple):
@@ -86,7 +90,7 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...] | None:
     if bad:
         raise ValueError(f"{name} must hold token ids (integers >= 0); these are not: {bad!r}")
     if not value:
-        raise ValueError(f"{name} is empty: no token could ever be generated (leave it out to allow every token)")
+        raise ValueError(f"{name} is empty: {empty}")
     return tuple(int(t) for t in value)
 
 
@@ -125,6 +129,9 @@ class SamplingParams:
     min_tokens: EOS and stop tokens cannot be sampled before this many tokens.
     logprobs: also report, for every output token, its log-probability and the top `logprobs`
     alternatives; prompt_logprobs: the same for the prompt's tokens (0: the token's own only).
+    logprob_token_ids (vLLM's): report these tokens' log-probabilities at every generated
+    position in place of the top `logprobs` alternatives, whatever their rank (scoring a fixed
+    set of labels); asking for them asks for logprobs (a `logprobs` left None becomes 0).
     output_kind: see RequestOutputKind.
     structured_outputs (chapter 13): a StructuredOutputsParams that the output must fit (a JSON
     schema, a regex, a list of choices, a grammar); the grammar decides where the output may
@@ -160,6 +167,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logprob_token_ids: Seq[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
@@ -206,6 +214,13 @@ class SamplingParams:
         put("min_tokens", _integer("min_tokens", self.min_tokens, low=0, high=self.max_tokens))
         put("logprobs", _integer("logprobs", self.logprobs, low=0, none=True))
         put("prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs, low=0, none=True))
+        put("logprob_token_ids", _token_ids("logprob_token_ids", self.logprob_token_ids,
+                                            "name the tokens to report (leave it out for the top-k alternatives)"))
+        if self.logprob_token_ids is not None and len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids lists {len(self.logprob_token_ids)} tokens, more than the "
+                             f"{MAX_LOGPROB_TOKEN_IDS} a request may (vLLM's bound)")
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            put("logprobs", 0)  # the listed ids replace the alternatives; the chosen token's own is reported too
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         # Chapter 13: the constraint itself was checked when it was made; here only how it fits the rest.
@@ -217,7 +232,8 @@ class SamplingParams:
                 raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with structured_outputs: the "
                                  f"grammar alone decides where the output may end")
         put("logit_bias", _logit_bias(self.logit_bias))
-        put("allowed_token_ids", _token_ids("allowed_token_ids", self.allowed_token_ids))
+        put("allowed_token_ids", _token_ids("allowed_token_ids", self.allowed_token_ids,
+                                            "no token could ever be generated (leave it out to allow every token)"))
         put("bad_words", _items("bad_words", self.bad_words, _stop_string))
         if self.greedy and self.n > 1:
             raise ValueError(f"n must be 1 when sampling greedily (the {self.n} completions would be identical)")
@@ -230,6 +246,12 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def logprob_columns(self) -> int | tuple[int, ...] | None:
+        """What every generated position reports besides the chosen token: the listed
+        logprob_token_ids (a tuple), else the top `logprobs` alternatives (an int); None: nothing."""
+        return self.logprob_token_ids if self.logprob_token_ids is not None else self.logprobs
 
     @property
     def edits_logits(self) -> bool:
@@ -247,6 +269,7 @@ class SamplingParams:
             params = dataclasses.replace(self)
             object.__setattr__(params, "bad_words_token_ids", tokenize_bad_words(self.bad_words, tokenizer))
         named = {"logit_bias": list(params.logit_bias or ()), "allowed_token_ids": list(params.allowed_token_ids or ()),
+                 "logprob_token_ids": list(params.logprob_token_ids or ()),
                  "bad_words": [t for word in params.bad_words_token_ids or () for t in word]}
         outside = {name: sorted({t for t in ids if t >= vocab_size}) for name, ids in named.items()}
         if any(outside.values()):

@@ -9,7 +9,8 @@ A row that needs more than an argmax goes through these steps, each a small func
 in vLLM's order:
 
 1. logprobs: log_softmax of the *raw* logits, if the request asked (what the model said,
-   before anything below changed it, apart from a grammar's mask; vLLM's default);
+   before anything below changed it, apart from a grammar's mask; vLLM's default), reported
+   as the top k alternatives or, with logprob_token_ids, the listed tokens';
 2. the request's own edits (logit_bias.py): allowed_token_ids, bad_words, logit_bias;
 3. min_tokens: EOS and the stop tokens are made impossible until min_tokens are out;
 4. penalties: repetition (tokens of the prompt or the output), then frequency and presence
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minivllm.request.logprobs import TopLogprobs, top_logprobs, unpack_logprobs
+from minivllm.request.logprobs import TopLogprobs, report_logprobs
 from minivllm.request.sequence import Sequence
 from minivllm.structured_outputs.bitmask import constrain_logits
 from minivllm.worker.logit_bias import bias_logits, recent_output
@@ -217,9 +218,8 @@ class Sampler:
 
         logprobs: list[TopLogprobs | None] = [None] * len(seqs)
         if asking:
-            ks = [params[s].logprobs for s in asking]
-            packed = top_logprobs(raw_logprobs, chosen[asking_rows], max(ks)).tolist()  # the one extra copy to the host
-            for s, top in zip(asking, unpack_logprobs(packed, ks)):
+            wanted = [params[s].logprob_columns for s in asking]  # top k, or logprob_token_ids
+            for s, top in zip(asking, report_logprobs(raw_logprobs, chosen[asking_rows], wanted)):
                 logprobs[s] = top
         return chosen, logprobs
 

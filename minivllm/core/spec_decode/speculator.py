@@ -34,7 +34,7 @@ from minivllm.core.spec_decode.ngram import NgramProposer
 from minivllm.core.spec_decode.rejection import rejection_sample, target_probs
 from minivllm.core.spec_decode.rollback import rollback
 from minivllm.model import Decoder
-from minivllm.request.logprobs import TopLogprobs, top_logprobs, unpack_logprobs
+from minivllm.request.logprobs import TopLogprobs, report_logprobs
 from minivllm.request.messages import SpecDecodeStats
 from minivllm.request.sequence import SchedulerOutput, Sequence
 from minivllm.structured_outputs.bitmask import apply_token_bitmask, num_words
@@ -162,8 +162,7 @@ class Speculator:
             tops: list[TopLogprobs | None] = [None] * len(out)
             if seq.params.logprobs is not None:
                 rows = raw[starts[s]:starts[s] + len(out)]
-                packed = top_logprobs(rows, torch.tensor(out, device=device), seq.params.logprobs).tolist()
-                tops = unpack_logprobs(packed, [seq.params.logprobs] * len(out))
+                tops = report_logprobs(rows, torch.tensor(out, device=device), [seq.params.logprob_columns] * len(out))
             verdicts.append(Verified(out, tops, seq.num_spec_tokens))
             self.stats.add(seq.num_spec_tokens, accepted[s])
             rollback(seq, seq.num_spec_tokens - accepted[s], block_manager)

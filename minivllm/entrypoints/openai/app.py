@@ -122,6 +122,7 @@ class Server:
     force_include_usage: bool = False  # every stream carries usage (every chunk, and a last chunk), asked for or not
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     per_request_metrics: bool = False  # a "metrics" field with the request's timings (a stream: on its usage chunk)
+    trust_request_chat_template: bool = False  # a request may bring its own chat template (Jinja the server runs)
     load: ServerLoad = field(default_factory=ServerLoad)  # GET /load
 
 
@@ -130,7 +131,7 @@ def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 
               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               root_path: str = "", return_tokens_as_token_ids: bool = False,
               enable_force_include_usage: bool = False, enable_prompt_tokens_details: bool = False,
-              enable_per_request_metrics: bool = False) -> FastAPI:
+              enable_per_request_metrics: bool = False, trust_request_chat_template: bool = False) -> FastAPI:
     """The server for one engine: an LLMEngine stepped by a thread of this process (chapter 10),
     or an AsyncLLM, whose core runs in a process of its own (chapter 15; it brings its own
     max_waiting, and static batches are chapter 10's only). `model_name` is what requests must
@@ -142,7 +143,8 @@ def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 
     return_tokens_as_token_ids, the default of the request field;
     enable_force_include_usage, usage in every stream, asked for or not;
     enable_prompt_tokens_details, usage.prompt_tokens_details.cached_tokens;
-    enable_per_request_metrics, the request's timings in a "metrics" field."""
+    enable_per_request_metrics, the request's timings in a "metrics" field;
+    trust_request_chat_template, a request's own chat_template is run (otherwise a 400)."""
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
         raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no cap, got {max_logprobs!r}")
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
@@ -163,7 +165,7 @@ def build_app(engine: LLMEngine | AsyncLLM, model_name: str, max_waiting: int = 
     app.root_path = root_path  # (vLLM sets it so; the constructor's argument is deprecated)
     app.state.server = Server(async_engine, model_name, max_waiting, static_batch_size, max_logprobs,
                               return_tokens_as_token_ids, enable_force_include_usage, enable_prompt_tokens_details,
-                              enable_per_request_metrics)
+                              enable_per_request_metrics, trust_request_chat_template)
     app.state.engine = async_engine
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -337,14 +339,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     tokenizer = the_tokenizer(server, body.model)
     if body.messages is not None:
         messages = [m.as_template_input() for m in body.messages]
-        if not getattr(tokenizer, "chat_template", None):
-            chat_prompt(tokenizer, messages, server.model_name)  # the 400 that says so
         generation_prompt = body.add_generation_prompt and not body.continue_final_message
-        try:
-            _, ids = await asyncio.to_thread(render_chat, tokenizer, messages, None, generation_prompt,
-                                             body.continue_final_message, body.tools)
-        except Exception as err:
-            raise APIError(400, f"the chat template could not render these messages: {err}", param="messages")
+        ids = await asyncio.to_thread(chat_prompt, tokenizer, messages, server.model_name, generation_prompt,
+                                      body.continue_final_message, tools=body.tools,
+                                      **body.template_options(server.trust_request_chat_template))
     else:
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
@@ -454,7 +452,8 @@ async def conversation_ids(server: Server, body: ChatCompletionRequest) -> list[
     thread), cut by truncate_prompt_tokens if it asks."""
     messages = [m.as_template_input() for m in body.messages]
     prompt = await asyncio.to_thread(chat_prompt, server.engine.tokenizer, messages, server.model_name,
-                                     body.generation_prompt, body.continue_final_message)
+                                     body.generation_prompt, body.continue_final_message,
+                                     **body.template_options(server.trust_request_chat_template))
     if body.truncate_prompt_tokens is not None:
         prompt = truncated(server, prompt, body.truncate_prompt_tokens, body.truncation_side)
     return prompt
@@ -600,15 +599,18 @@ def echo_of(text: str | None, token_ids: list[int], tokenizer: Any) -> Echo:
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]], model_name: str, generation_prompt: bool = True,
-                continue_final_message: bool = False) -> list[int]:
-    """The token ids of the messages rendered by the checkpoint's chat template (render_chat),
-    ending where the assistant's answer starts (generation_prompt), or inside the last message,
-    left open for the model to continue (continue_final_message)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+                continue_final_message: bool = False, chat_template: str | None = None,
+                **options: Any) -> list[int]:
+    """The token ids of the messages rendered by the checkpoint's chat template, or the
+    request's (render_chat), ending where the assistant's answer starts (generation_prompt), or
+    inside the last message, left open for the model to continue (continue_final_message).
+    options: render_chat's tools, documents and template_kwargs."""
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise APIError(400, f"the model `{model_name}` has no chat template, so it cannot chat: use "
                             "/v1/completions, or start the server with --chat-template FILE")
     try:
-        return render_chat(tokenizer, messages, None, generation_prompt, continue_final_message)[1]
+        return render_chat(tokenizer, messages, chat_template, generation_prompt, continue_final_message,
+                           **options)[1]
     except Exception as err:  # templates refuse what they cannot render (say, two user turns in a row)
         raise APIError(400, f"the chat template could not render these messages: {err}", param="messages")
 

@@ -17,9 +17,10 @@ Besides OpenAI's fields, the requests take vLLM's extra sampling fields (top_k, 
 min_tokens, repetition_penalty, ignore_eos, stop_token_ids, truncate_prompt_tokens and
 truncation_side, add_special_tokens, request_id, the older guided_* names of
 structured_outputs), what vLLM adds to the answer (return_token_ids,
-return_tokens_as_token_ids, prompt_logprobs) and, on chat, how the chat template ends the
-prompt (add_generation_prompt, continue_final_message) and echo; the openai client sends them
-through `extra_body`. A message may have any role (the template decides what it makes of it),
+return_tokens_as_token_ids, prompt_logprobs, logprob_token_ids) and, on chat, how the chat
+template ends the prompt (add_generation_prompt, continue_final_message), what it renders
+(chat_template_kwargs, documents, and the request's own chat_template where the server trusts
+it) and echo; the openai client sends them through `extra_body`. A message may have any role (the template decides what it makes of it),
 and fields of a message nobody here reads are ignored, as in vLLM.
 
 A completion request may carry a batch of prompts (evaluation harnesses send them): each prompt
@@ -69,9 +70,10 @@ UNSUPPORTED = {
     "tools": "tool calling", "functions": "function calling", "function_call": "function calling",
     "prediction": "predicted outputs", "audio": "audio output", "modalities": "output modalities",
     "use_beam_search": "beam search", "length_penalty": "beam search",
-    "logprob_token_ids": "logprobs of chosen token ids: the sampler reports the top-k alternatives only "
-                         "(top_logprobs)",
 }
+# top_logprobs_wanted's value for a request with logprob_token_ids: the answer shows every
+# logprob the engine reported for a token (the chosen one, then the listed ids), in that order.
+EVERY_REPORTED = -1
 
 
 def allows_none(annotation: Any) -> bool:
@@ -233,6 +235,8 @@ class SamplingFields(Lenient):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key is a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    # vLLM's: these tokens' logprobs at every generated position, in place of the top alternatives
+    logprob_token_ids: list[int] | None = None
 
     def logit_edits(self) -> dict[str, Any]:
         """The SamplingParams arguments of the three fields above. logit_bias's keys are token ids
@@ -283,6 +287,8 @@ class SamplingFields(Lenient):
                  "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
         kwargs = {name: getattr(self, name) for name in names if name in self.model_fields_set}
         kwargs |= self.logit_edits()
+        if self.logprob_token_ids is not None:
+            kwargs["logprob_token_ids"] = self.logprob_token_ids
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         constraint = self.constraint()
@@ -316,6 +322,14 @@ class SamplingFields(Lenient):
             return True, True
         options = self.stream_options or StreamOptions()
         return options.include_usage, options.include_usage and options.continuous_usage_stats
+
+    def check_listed(self, asked: bool) -> None:
+        """logprob_token_ids within vLLM's rules: the request must ask for logprobs (the list
+        replaces their top-k alternatives). SamplingParams checks the list itself (at most 128
+        ids, vLLM's bound, not the server's --max-logprobs), and their range against the
+        model's vocabulary when the request is added (SamplingParams.for_model)."""
+        if self.logprob_token_ids is not None and not asked:
+            raise APIError(400, "when using `logprob_token_ids`, `logprobs` must be set", param="logprob_token_ids")
 
     def logprobs_as_token_ids(self, default: bool) -> bool:
         """return_tokens_as_token_ids, or the server's --return-tokens-as-token-ids when not given."""
@@ -354,8 +368,9 @@ class CompletionRequest(SamplingFields):
 
     @property
     def top_logprobs_wanted(self) -> int | None:
-        """How many alternatives to show per token (None: no logprobs at all)."""
-        return self.logprobs
+        """How many alternatives to show per token (None: no logprobs at all; EVERY_REPORTED:
+        the listed logprob_token_ids)."""
+        return EVERY_REPORTED if self.logprob_token_ids is not None else self.logprobs
 
     @property
     def scores_only(self) -> bool:
@@ -366,6 +381,10 @@ class CompletionRequest(SamplingFields):
         """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
         self.logprobs = check_logprobs("logprobs", self.logprobs, limit, vocab_size)
         self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
+        self.check_listed(self.logprobs is not None)
+        if self.logprob_token_ids is not None and self.scores_only:
+            raise APIError(400, "logprob_token_ids with max_tokens=0: there is no generated position to report "
+                                "(the echoed prompt's logprobs come from prompt_logprobs)", param="logprob_token_ids")
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for values the engine refuses (say temperature=-1). The engine
@@ -421,7 +440,25 @@ class ChatMessage(Lenient):
         return {"role": self.role, "content": self.text}
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(Lenient):
+    """vLLM's fields that shape how the chat template renders (chat and /tokenize). A request's
+    own template is a Jinja program the server would run: refused unless the server trusts its
+    clients (--trust-request-chat-template, vLLM's rule)."""
+
+    chat_template: str | None = Field(default=None, min_length=1)  # a Jinja template for this request only
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (say enable_thinking)
+    documents: list[dict[str, str]] | None = None  # retrieved documents, for templates that render them (RAG)
+
+    def template_options(self, trusted: bool) -> dict[str, Any]:
+        """render_chat's keywords for these fields; a request template the server does not trust is a 400."""
+        if self.chat_template is not None and not trusted:
+            raise APIError(400, "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                                "Refused request with untrusted chat template.", param="chat_template")
+        return {"chat_template": self.chat_template, "documents": self.documents,
+                "template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """POST /v1/chat/completions. The messages go through the checkpoint's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -463,7 +500,10 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def top_logprobs_wanted(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+        """Alternatives to show per token (None: no logprobs; EVERY_REPORTED: logprob_token_ids)."""
+        if not self.logprobs:
+            return None
+        return EVERY_REPORTED if self.logprob_token_ids is not None else (self.top_logprobs or 0)
 
     @property
     def max_tokens_field(self) -> tuple[str, int | None]:
@@ -476,6 +516,7 @@ class ChatCompletionRequest(SamplingFields):
         """The logprobs asked for within the server's cap (check_logprobs); -1 becomes the vocabulary's size."""
         self.top_logprobs = check_logprobs("top_logprobs", self.top_logprobs, limit, vocab_size)
         self.prompt_logprobs = check_logprobs("prompt_logprobs", self.prompt_logprobs, limit, vocab_size, "prompt")
+        self.check_listed(self.logprobs)
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for values the engine refuses, or contradictory fields. With echo
@@ -488,7 +529,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("prompt_logprobs are not available when stream=true")
         kwargs = self.sampling_kwargs() | {"max_tokens": self.max_tokens_field[1]}
         if self.logprobs:
-            kwargs["logprobs"] = self.top_logprobs_wanted  # 0: the chosen token's log-probability only
+            kwargs["logprobs"] = self.top_logprobs or 0  # 0: the chosen token's log-probability only
         if self.prompt_logprobs is not None and not self.stream:
             kwargs["prompt_logprobs"] = self.prompt_logprobs
         elif self.echo and not self.stream:
@@ -524,7 +565,7 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
                 for conversation in self.messages]
 
 
-class TokenizeRequest(Lenient):
+class TokenizeRequest(ChatTemplateFields):
     """POST /tokenize (vLLM's): a text prompt, or chat messages rendered by the chat template."""
 
     model: str | None = None
@@ -540,6 +581,11 @@ class TokenizeRequest(Lenient):
     def one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give `prompt` (text) or `messages` (a chat), exactly one of them")
+        templating = [name for name in ("chat_template", "chat_template_kwargs", "documents", "tools")
+                      if getattr(self, name) is not None]
+        if self.prompt is not None and templating:
+            raise ValueError(f"{templating} shape how `messages` render: a text `prompt` does not go through the "
+                             f"chat template")
         if self.continue_final_message and "add_generation_prompt" in self.model_fields_set \
                 and self.add_generation_prompt:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to true")

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from minivllm.entrypoints.openai.protocol import EVERY_REPORTED
 from minivllm.request.outputs import (
     CompletionOutput,
     Logprob,
@@ -79,9 +80,9 @@ def token_text(token_id: int, logprob: Logprob, as_token_id: bool = False) -> st
 
 def request_metrics(output: RequestOutput) -> dict[str, float | None]:
     """vLLM's per-request timings (--enable-per-request-metrics), in milliseconds, from the
-    engine's timestamps of one request: arrival, first token, last token. The engine does not
-    record when a request was first scheduled, so queue_time_ms is null and tokens_per_second
-    counts from arrival."""
+    engine's timestamps of one request: arrival, first scheduled (the first step that ran it),
+    first token, last token. queue_time_ms is arrival -> first scheduled, the same interval as
+    the /metrics histogram vllm:request_queue_time_seconds; tokens_per_second counts from arrival."""
     m: RequestMetrics | None = output.metrics
     tokens = sum(len(c.token_ids) for c in output.outputs)
     timings: dict[str, float | None] = dict.fromkeys(("time_to_first_token_ms", "generation_time_ms",
@@ -89,6 +90,8 @@ def request_metrics(output: RequestOutput) -> dict[str, float | None]:
     if m is None or m.first_token_time is None:
         return timings
     timings["time_to_first_token_ms"] = (m.first_token_time - m.arrival_time) * 1000
+    if m.first_scheduled_time is not None:
+        timings["queue_time_ms"] = (m.first_scheduled_time - m.arrival_time) * 1000
     if m.finished_time is not None:
         timings["generation_time_ms"] = (m.finished_time - m.first_token_time) * 1000
         if tokens > 1:
@@ -103,7 +106,8 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] |
     """Tokens in the legacy completions format: parallel lists of the tokens' texts, their
     logprobs, their alternatives and their character offsets in the choice's text, the first
     at `offset`. A token's alternatives are the `top` most likely tokens and the token itself
-    (OpenAI's rule: up to top + 1 of them). An entry of None (a prompt's first token, which
+    (OpenAI's rule: up to top + 1 of them); top EVERY_REPORTED (logprob_token_ids): every
+    token the engine reported, the token itself and the listed ones. An entry of None (a prompt's first token, which
     nothing predicts) has a null logprob and null alternatives, and `unscored_text` as its text.
     as_token_ids: name tokens "token_id:<id>" (and count offsets in those names, as vLLM does)."""
     body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -113,7 +117,7 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] |
         else:
             text, logprob = token_text(token_id, entry[token_id], as_token_ids), finite(entry[token_id].logprob)
             alternatives = {token_text(t, lp, as_token_ids): finite(lp.logprob) for t, lp in entry.items()
-                            if lp.rank <= top or t == token_id}
+                            if lp.rank <= top or t == token_id or top == EVERY_REPORTED}
         body["tokens"].append(text)
         body["token_logprobs"].append(logprob)
         body["top_logprobs"].append(alternatives)
@@ -134,15 +138,19 @@ def joined(*parts: dict[str, list]) -> dict[str, list]:
 
 
 def chat_logprobs(c: CompletionOutput, first: int, count: int, top: int, as_token_ids: bool = False) -> dict[str, Any]:
-    """The same tokens in the chat format: one record per token, alternatives best first."""
+    """The same tokens in the chat format: one record per token, alternatives best first (top
+    EVERY_REPORTED, logprob_token_ids: the token itself, then the listed ones in their order, vLLM's)."""
     def record(token_id: int, lp: Logprob) -> dict[str, Any]:
         text = token_text(token_id, lp, as_token_ids)
         return {"token": text, "logprob": finite(lp.logprob), "bytes": list(text.encode())}
 
     content = []
     for token_id, entry in zip(c.token_ids[first:first + count], c.logprobs[first:first + count]):
-        alternatives = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank <= top)
-        content.append(record(token_id, entry[token_id]) | {"top_logprobs": [record(t, lp) for _, t, lp in alternatives]})
+        if top == EVERY_REPORTED:
+            alternatives = list(entry.items())
+        else:
+            alternatives = [(t, lp) for _, t, lp in sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank <= top)]
+        content.append(record(token_id, entry[token_id]) | {"top_logprobs": [record(t, lp) for t, lp in alternatives]})
     return {"content": content}
 
 
