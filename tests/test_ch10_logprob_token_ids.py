@@ -189,3 +189,21 @@ def test_a_core_process_reports_what_the_engine_thread_reports(client, default_m
     assert answer.tokens == threaded_answer.tokens
     for got, want in zip(answer.top_logprobs, threaded_answer.top_logprobs, strict=True):
         assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), abs=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_the_gpu_engine_reports_the_cpu_engines_listed_logprobs(speculative_config):
+    """The GPU's default engine (async scheduling, graphs, Triton) in fp32 gathers the same
+    listed ids, in the same order, with the CPU engine's logprobs, with and without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=16, logprob_token_ids=LISTED)
+    prompt = "def add(a, b):\n    return a + b\n" * 3
+    cpu = LLM(device="cpu", **ENGINE).generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    gpu = LLM(device="cuda", dtype=torch.float32, speculative_config=speculative_config,
+              **ENGINE).generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert gpu.token_ids == cpu.token_ids
+    for on_gpu, on_cpu in zip(gpu.logprobs, cpu.logprobs, strict=True):
+        assert list(on_gpu) == list(on_cpu)
+        for token, entry in on_gpu.items():
+            assert abs(entry.logprob - on_cpu[token].logprob) < 1e-3
