@@ -52,4 +52,7 @@ def test_host_step_benchmark_times_every_phase_of_a_decode_step(tmp_path):
     assert payload["trees"]["this tree"].split()[0] == head
     parts = ("schedule", "prepare (eager)", "sample", "finish")
     assert all(medians[p] > 0 for p in parts) and medians["prepare (graph)"] > 0
-    assert sum(medians[p] for p in parts) <= 1.05 * medians["step"] + 1e-3
+    # finish is the step less the other three, step by step, so the phases fill each step exactly;
+    # their medians need not add up to the step's median (3 steps on a shared machine: measured
+    # 1.05x once), so the check allows a quarter more, and still catches a phase timed twice
+    assert sum(medians[p] for p in parts) <= 1.25 * medians["step"] + 1e-3

@@ -27,7 +27,7 @@ from minivllm.course.bench.load import RequestResult, run_fast
 from minivllm.course.bench.split_serving import write_cheap_model
 from minivllm.course.plots.disagg import plot_itl_over_time
 
-pytestmark = [pytest.mark.ch17, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ch17, pytest.mark.floors, pytest.mark.timeout(240)]
 
 
 def result(start: float, times: list[float], tokens: int | None = None) -> RequestResult:
