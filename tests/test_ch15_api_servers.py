@@ -1,0 +1,211 @@
+"""Issue 48: `minivllm serve --api-server-count N`, N API server processes on one port in front of
+one engine core process.
+
+What a user must not be able to tell: the streams equal the offline engine's greedy tokens
+whichever API server answers (both must answer some), and /metrics counts every request, whichever
+API server it went to and whichever one /metrics asks. What a user must be able to rely on, as
+chapter 15 promised for one process: SIGTERM ends everything with exit 0; an API server or the core
+killed makes every stream end in an error, the command exit non-zero, and no process outlive it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+from server_checks import TIMEOUT, expect_status, metric_values, openai_client
+from test_ch15_core_process import GREEDY, PROMPTS, free_port, gone, offline
+
+from minivllm import LLM
+from minivllm.entrypoints.cli import build_parser, main
+
+pytestmark = [pytest.mark.ch15, pytest.mark.floors]
+NAME = "minivllm-default"
+HEADER = "x-minivllm-api-server"
+ENGINE = dict(num_kv_blocks=512, max_num_seqs=128)  # the same as the offline engine's
+
+
+@pytest.fixture(scope="module")
+def llm(default_model, chat_tokenizer) -> LLM:
+    return LLM(default_model, tokenizer=chat_tokenizer, **ENGINE)
+
+
+class Served:
+    """`minivllm serve --api-server-count N` in its own process, and every process it started."""
+
+    def __init__(self, count: int, *args: str):
+        port = free_port()
+        command = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port", str(port), "--threads", "1",
+                   "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+                   "--no-persistent-batch", "--api-server-count", str(count), *args]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.process.poll() is None, f"the server exited: {self.process.stderr.read()}"
+            assert time.monotonic() < deadline, "the server did not start in 120 s"
+            try:
+                if httpx.get(f"{self.url}/health", trust_env=False, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.children = psutil.Process(self.process.pid).children(recursive=True)
+        self.api_servers = self.find_api_servers(count)
+        self.core = httpx.get(f"{self.url}/server_info", trust_env=False).json()["core_pid"]
+
+    def find_api_servers(self, count: int) -> dict[int, int]:
+        """index -> pid of every API server, from /server_info (each new connection goes to one of them)."""
+        found: dict[int, int] = {}
+        for _ in range(200):
+            with httpx.Client(trust_env=False, timeout=TIMEOUT) as http:  # a new connection each time
+                info = http.get(f"{self.url}/server_info").json()
+            found[info["api_server_index"]] = info["api_server_pid"]
+            if len(found) == count:
+                return found
+            time.sleep(0.01)
+        raise AssertionError(f"only API servers {sorted(found)} of {count} ever answered")
+
+    def assert_nothing_left(self, seconds: float = 10) -> None:
+        deadline = time.monotonic() + seconds
+        while [p for p in self.children if not gone(p.pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [" ".join(p.cmdline()) for p in self.children if not gone(p.pid)]
+        assert not left, f"processes left behind: {left}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for p in self.children:
+            if not gone(p.pid):
+                p.kill()
+
+
+@pytest.fixture()
+def two_api_servers() -> Iterator[Served]:
+    served = Served(2)
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+def test_bad_api_server_counts_are_refused_with_a_clear_error(capsys):
+    for bad, why in (("0", "at least 1"), ("-2", "at least 1"), ("two", "whole number"), ("1.5", "whole number")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--api-server-count", bad])
+        assert why in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--api-server-count", "3"]).api_server_count == 3
+    with pytest.raises(SystemExit, match="--api-server-count > 1 needs the engine core in processes"):
+        main(["serve", "--api-server-count", "2", "--engine-core", "thread"])
+
+
+@pytest.mark.slow
+def test_two_api_servers_stream_offline_greedy_and_metrics_count_both(two_api_servers, llm, chat_tokenizer):
+    url = two_api_servers.url
+    expected = offline(llm, PROMPTS, max_tokens=12, **GREEDY)
+    got: dict[int, tuple[int, list[tuple[str, list[str]]]]] = {}
+
+    def stream(i: int) -> None:
+        raw = openai_client(url).completions.with_raw_response.create(
+            model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=12, temperature=0, logprobs=0, stream=True,
+            extra_body={"ignore_eos": True})
+        chunks = [(c.choices[0].text, c.choices[0].logprobs.tokens) for c in raw.parse() if c.choices]
+        got[i] = (int(raw.headers[HEADER]), chunks)
+
+    requests = 0
+    while requests < 48 and len({server for server, _ in got.values()}) < 2:  # until both API servers answered
+        threads = [threading.Thread(target=stream, args=(requests + k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        requests += 8
+    assert len(got) == requests, "a stream failed"
+    assert {server for server, _ in got.values()} == {0, 1}, "one API server answered every request"
+    for i, (_, chunks) in got.items():
+        completion = expected[i % len(PROMPTS)]
+        assert "".join(text for text, _ in chunks) == completion.text
+        assert [t for _, tokens in chunks for t in tokens] == [chat_tokenizer.decode([t]) for t in completion.token_ids]
+    views = {}
+    while len(views) < 2:  # /metrics from each API server: one and the same view of both
+        with httpx.Client(base_url=url, trust_env=False, timeout=TIMEOUT) as http:
+            response = http.get("/server_info")
+            views[response.headers[HEADER]] = metric_values(http)
+    for values in views.values():
+        assert values["minivllm_requests_finished_total{finished_reason=length}"] == requests
+        assert values["minivllm_generation_tokens_total"] == 12 * requests
+        assert values["minivllm_num_requests_running"] == 0
+        assert values[f"vllm:request_success_total{{finished_reason=length,model_name={NAME}}}"] == requests
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_api_servers_and_the_core_cleanly(two_api_servers):
+    served = two_api_servers
+    expect_status(httpx.post(f"{served.url}/v1/completions", json={"model": NAME, "prompt": "x = ", "max_tokens": 3},
+                             timeout=TIMEOUT))
+    served.process.send_signal(signal.SIGTERM)
+    assert served.process.wait(30) == 0, served.process.stderr.read()
+    served.assert_nothing_left()
+
+
+def streams_until_they_end(url: str, count: int) -> tuple[list[threading.Thread], dict[int, str], threading.Barrier]:
+    """`count` streams of 400 tokens, each on its own connection; each records how it ended:
+    "error event", "cut" (the connection broke) or "finished" (it must not)."""
+    ended: dict[int, str] = {}
+    started = threading.Barrier(count + 1)
+
+    def stream(i: int) -> None:
+        body = {"model": NAME, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT, trust_env=False) as response:
+                lines = response.iter_lines()
+                next(line for line in lines if line.startswith("data:"))
+                started.wait(TIMEOUT)
+                ended[i] = "finished"
+                for line in lines:
+                    if line.startswith('data: {"error"'):
+                        ended[i] = "error event"
+        except httpx.HTTPError:
+            ended[i] = "cut"
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    return threads, ended, started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["api server 1", "core"])
+def test_a_killed_api_server_or_core_ends_every_stream_and_the_command(two_api_servers, victim):
+    served = two_api_servers
+    threads, ended, started = streams_until_they_end(served.url, 6)
+    started.wait(TIMEOUT)
+    health: list[int] = []
+    os.kill(served.api_servers[1] if victim == "api server 1" else served.core, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and served.process.poll() is None:  # /health never says 200 again
+        try:
+            health.append(httpx.get(f"{served.url}/health", trust_env=False, timeout=1).status_code)
+        except httpx.HTTPError:
+            pass
+    for t in threads:
+        t.join(TIMEOUT)
+    assert sorted(ended) == list(range(6)) and "finished" not in ended.values(), ended
+    if victim == "core":  # the streams of both API servers saw the core die: each got its error event
+        assert set(ended.values()) == {"error event"}, ended
+    if 503 in health:  # once /health says the engine is gone, it never says 200 again
+        assert 200 not in health[health.index(503):], health
+    if victim == "core":  # the core's pid is watched: /health says 503 at once (the first may predate the kill)
+        assert 200 not in health[1:], health
+    assert served.process.wait(30) != 0
+    assert ("engine core process" if victim == "core" else "API server process") in served.process.stderr.read()
+    served.assert_nothing_left()
