@@ -260,14 +260,14 @@ def api_servers(run: Run) -> None:
     128 users, 12,211 at 256). The dry run starts only the 2-process server, at 2 users."""
     settings = ["--num-kv-blocks", "16384"] if run.gpu else ["--threads", "1"]
     counts = [1, 2, 4] if run.gpu else [2]
-    serve_and_load(run, f"48_api_servers_{'gpu' if run.gpu else 'cpu'}",
+    serve_and_load(run, f"48_api_servers_{'gpu' if run.gpu else 'dry_run'}",
                    {f"{n} API server{'s' if n > 1 else ''}": [*settings, "--api-server-count", str(n)] for n in counts},
                    [128, 256] if run.gpu else [2], "ladder_gpu" if run.gpu else "tiny",
                    "48_api_servers" + ("_gpu" if run.gpu else "_dry_run"))
 
 
 def api_servers_summary(run: Run) -> dict[str, Any]:
-    return levels_summary(f"48_api_servers_{'gpu' if run.gpu else 'cpu'}")(run)
+    return levels_summary(f"48_api_servers_{'gpu' if run.gpu else 'dry_run'}")(run)
 
 
 def data_parallel(run: Run) -> None:
