@@ -97,6 +97,15 @@ def two_api_servers() -> Iterator[Served]:
         served.stop()
 
 
+@pytest.fixture(params=["one core", "two data-parallel cores"])
+def two_api_servers_in_front_of(request) -> Iterator[Served]:
+    served = Served(2, *(["--data-parallel-size", "2"] if request.param == "two data-parallel cores" else []))
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
 def test_bad_api_server_counts_are_refused_with_a_clear_error(capsys):
     for bad, why in (("0", "at least 1"), ("-2", "at least 1"), ("two", "whole number"), ("1.5", "whole number")):
         with pytest.raises(SystemExit):
@@ -108,10 +117,11 @@ def test_bad_api_server_counts_are_refused_with_a_clear_error(capsys):
 
 
 @pytest.mark.slow
-def test_two_api_servers_stream_offline_greedy_count_both_in_metrics_and_stop_on_sigterm(two_api_servers, llm,
-                                                                                       chat_tokenizer):
+def test_two_api_servers_stream_offline_greedy_count_both_in_metrics_and_stop_on_sigterm(two_api_servers_in_front_of,
+                                                                                       llm, chat_tokenizer):
     """(One server start for three checks: on this shared CPU a start takes a minute.)"""
-    url = two_api_servers.url
+    served = two_api_servers_in_front_of
+    url = served.url
     expected = offline(llm, PROMPTS, max_tokens=12, **GREEDY)
     got: dict[int, tuple[int, list[tuple[str, list[str]]]]] = {}
 
@@ -146,9 +156,9 @@ def test_two_api_servers_stream_offline_greedy_count_both_in_metrics_and_stop_on
         assert values["minivllm_generation_tokens_total"] == 12 * requests
         assert values["minivllm_num_requests_running"] == 0
         assert values[f"vllm:request_success_total{{finished_reason=length,model_name={NAME}}}"] == requests
-    two_api_servers.process.send_signal(signal.SIGTERM)
-    assert two_api_servers.process.wait(30) == 0, two_api_servers.process.stderr.read()
-    two_api_servers.assert_nothing_left()
+    served.process.send_signal(signal.SIGTERM)
+    assert served.process.wait(30) == 0, served.process.stderr.read()
+    served.assert_nothing_left()
 
 
 def streams_until_they_end(url: str, count: int) -> tuple[list[threading.Thread], dict[int, str], threading.Barrier]:
