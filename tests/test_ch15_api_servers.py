@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +25,8 @@ from server_checks import ENGINE, TIMEOUT, metric_values, openai_client
 from test_ch15_core_process import GREEDY, PROMPTS, free_port, gone, offline
 
 from minivllm import LLM
-from minivllm.entrypoints.cli import build_parser, main
+from minivllm.engine.metrics import MULTIPROCESS_FOLDER
+from minivllm.entrypoints.cli import build_parser
 
 pytestmark = [pytest.mark.ch15, pytest.mark.floors]
 NAME = "minivllm-default"
@@ -113,7 +115,19 @@ def test_bad_api_server_counts_are_refused_with_a_clear_error(capsys):
         assert why in capsys.readouterr().err
     assert build_parser().parse_args(["serve", "--api-server-count", "3"]).api_server_count == 3
     with pytest.raises(SystemExit, match="--api-server-count > 1 needs the engine core in processes"):
-        main(["serve", "--api-server-count", "2", "--engine-core", "thread"])
+        serve("--api-server-count", "2", "--engine-core", "thread")
+    with socket.socket() as taken:  # a port in use: said at once, before any process starts
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit, match="already in use"):
+            serve("--api-server-count", "2", "--port", str(taken.getsockname()[1]))
+    assert MULTIPROCESS_FOLDER not in os.environ
+
+
+def serve(*args: str) -> None:
+    """`minivllm serve ARGS` in this process (without main()'s process-wide settings)."""
+    args = build_parser().parse_args(["serve", *args])
+    args.run(args)
 
 
 @pytest.mark.slow

@@ -85,13 +85,13 @@ def serve_api_servers(settings: APIServerSettings, count: int, host: str, port: 
     """Run `count` API servers and config.data_parallel_size cores until SIGTERM/SIGINT or until
     one of them dies. Returns None after a clean stop, else why it stopped (the CLI exits non-zero
     with it)."""
+    sock = listening_socket(host, port)  # first: a port in use fails before anything else exists
     folder = tempfile.mkdtemp(prefix="minivllm-serve-")
     os.environ[MULTIPROCESS_FOLDER] = str(Path(folder) / "metrics")  # the API servers inherit it
     os.mkdir(os.environ[MULTIPROCESS_FOLDER])
     stop: list[int] = []
     previous = {s: signal.signal(s, lambda number, _: stop.append(number)) for s in (signal.SIGTERM, signal.SIGINT)}
     spawn = multiprocessing.get_context("spawn")
-    sock = listening_socket(host, port)
     cores: list[multiprocessing.Process] = []
     servers: list[multiprocessing.Process] = []
     try:
@@ -102,20 +102,25 @@ def serve_api_servers(settings: APIServerSettings, count: int, host: str, port: 
                  for j in range(size)]
         for j in range(size):
             inboxes, outboxes = [p[0] for p in paths[j]], [p[1] for p in paths[j]]
-            cores.append(spawn.Process(target=run_core, args=(settings.model, one, None, inboxes, outboxes),
-                                       kwargs={"device": core_device(device, j), "dtype": dtype, "threads": threads},
-                                       name=f"minivllm-core-{j}", daemon=True))
-            cores[-1].start()
+            core = spawn.Process(target=run_core, args=(settings.model, one, None, inboxes, outboxes),
+                                 kwargs={"device": core_device(device, j), "dtype": dtype, "threads": threads},
+                                 name=f"minivllm-core-{j}", daemon=True)
+            core.start()
+            cores.append(core)
         for i in range(count):
             running = RunningCores([CoreAddresses(cores[j].pid, *paths[j][i]) for j in range(size)], i, count)
-            servers.append(spawn.Process(target=run_api_server, args=(settings, running, sock),
-                                         name=f"minivllm-api-server-{i}", daemon=True))
-            servers[-1].start()
+            server = spawn.Process(target=run_api_server, args=(settings, running, sock),
+                                   name=f"minivllm-api-server-{i}", daemon=True)
+            server.start()
+            servers.append(server)
         sock.close()  # the API servers hold it now
-        return watch(servers, cores, stop)
+        failure = watch(servers, cores, stop)
+        stop_all(servers, cores)
+        unclean = [f"{p.name} (exit code {p.exitcode})" for p in servers if p.exitcode != 0]
+        return failure or (f"API servers that did not stop cleanly: {', '.join(unclean)}" if unclean else None)
     finally:
         sock.close()
-        stop_all(servers, cores)
+        stop_all(servers, cores)  # (after an error here; nothing left to do after a stop)
         for s, handler in previous.items():
             signal.signal(s, handler)
         del os.environ[MULTIPROCESS_FOLDER]
@@ -165,6 +170,8 @@ def run_api_server(settings: APIServerSettings, running: RunningCores, sock: soc
     from minivllm.loader import load_tokenizer
 
     die_with_parent()
+    if os.getppid() != multiprocessing.parent_process().pid:  # the parent died while this one started
+        raise SystemExit(1)
     torch.set_grad_enabled(False)
     died: list[bool] = []
     server: uvicorn.Server | None = None
@@ -175,11 +182,16 @@ def run_api_server(settings: APIServerSettings, running: RunningCores, sock: soc
 
     tokenizer = load_tokenizer(settings.model)
     if settings.chat_template:
+        if tokenizer is None:
+            raise SystemExit("minivllm serve: --chat-template: this model has no tokenizer")
         path = Path(settings.chat_template)
         tokenizer.chat_template = path.read_text() if path.is_file() else settings.chat_template
-    engine = AsyncLLM(running, settings.config, tokenizer, max_waiting=settings.max_waiting,
-                      on_core_death=on_core_death)
-    app = build_app(engine, settings.name, **settings.app_options)
+    try:
+        engine = AsyncLLM(running, settings.config, tokenizer, max_waiting=settings.max_waiting,
+                          on_core_death=on_core_death)
+        app = build_app(engine, settings.name, **settings.app_options)
+    except ValueError as err:
+        raise SystemExit(f"minivllm serve: {err}")
     app.add_middleware(NameTheAPIServer, index=running.index)
     server = uvicorn.Server(uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=5))
     for s in (signal.SIGTERM, signal.SIGINT):
