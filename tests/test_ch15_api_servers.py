@@ -24,9 +24,19 @@ import pytest
 from server_checks import ENGINE, TIMEOUT, metric_values, openai_client
 from test_ch15_core_process import GREEDY, PROMPTS, free_port, gone, offline
 
-from minivllm import LLM
+from minivllm import LLM, SamplingParams
+from minivllm.core.process import Senders
 from minivllm.engine.metrics import MULTIPROCESS_FOLDER
 from minivllm.entrypoints.cli import build_parser
+from minivllm.request.messages import (
+    Abort,
+    AddRequest,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineCoreStats,
+    Refused,
+    from_core_decoder,
+)
 
 pytestmark = [pytest.mark.ch15, pytest.mark.floors]
 NAME = "minivllm-default"
@@ -128,6 +138,61 @@ def serve(*args: str) -> None:
     """`minivllm serve ARGS` in this process (without main()'s process-wide settings)."""
     args = build_parser().parse_args(["serve", *args])
     args.run(args)
+
+
+class FakeCore:
+    """A stand-in EngineCore: holds requests by id (refusing one in use, as the core does)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, EngineCoreRequest] = {}
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def abort_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        self.abort_requests([request_id for request_id, _ in sequences])
+
+    def stats(self) -> EngineCoreStats:
+        return EngineCoreStats(len(self.requests), 0, 0.5, 100, 40)
+
+
+class SentMessages:
+    """A stand-in PUSH socket: what the core sent to one API server, decoded."""
+
+    def __init__(self) -> None:
+        self.messages: list = []
+
+    def send(self, data: bytes) -> None:
+        self.messages.append(from_core_decoder.decode(data))
+
+
+def test_the_core_sends_each_api_server_its_own_requests_and_takes_its_aborts_only():
+    core, sockets = FakeCore(), [SentMessages(), SentMessages()]
+    senders = Senders(sockets)
+    params = SamplingParams(max_tokens=4)
+    assert senders.apply(core, 0, AddRequest(EngineCoreRequest("a", [1, 2], params, 0.0))) is None
+    assert senders.apply(core, 1, AddRequest(EngineCoreRequest("b", [3], params, 0.0))) is None
+    taken = senders.apply(core, 1, AddRequest(EngineCoreRequest("a", [4], params, 0.0)))  # the same id, elsewhere
+    assert isinstance(taken, Refused) and taken.bad_request
+    senders.apply(core, 1, Abort(["a"]))  # not API server 1's request: ignored
+    assert set(core.requests) == {"a", "b"}
+    del core.requests["b"]  # b finishes in this step
+    senders.step_outputs(core, [EngineCoreOutput("a", 0, [5]), EngineCoreOutput("b", 0, [6], finish_reason="length")],
+                         1.0, 2.0)
+    first, second = sockets[0].messages[-1], sockets[1].messages[-1]
+    assert [o.request_id for o in first.outputs] == ["a"] and [o.request_id for o in second.outputs] == ["b"]
+    assert first.stats == core.stats()  # the running sums: API server 0 only, so /metrics counts them once
+    assert (second.stats.running, second.stats.kv_cache_usage) == (1, 0.5)
+    assert (second.stats.prefix_queried_tokens, second.stats.prefix_hit_tokens, second.stats.spec) == (0, 0, None)
+    assert senders.owner == {"a": 0}  # b is forgotten once it is gone from the core
+    senders.apply(core, 0, Abort(["a"]))
+    assert not core.requests and not senders.owner
 
 
 @pytest.mark.slow
