@@ -9,6 +9,7 @@ killed makes every stream end in an error, the command exit non-zero, and no pro
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -17,17 +18,22 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import psutil
 import pytest
+import uvicorn
 from server_checks import ENGINE, TIMEOUT, metric_values, openai_client
 from test_ch15_core_process import GREEDY, PROMPTS, free_port, gone, offline
 
-from minivllm import LLM, SamplingParams
-from minivllm.core.process import Senders
+from minivllm import LLM, LLMEngine, SamplingParams
+from minivllm.core.process import Senders, run_core
+from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.metrics import MULTIPROCESS_FOLDER
+from minivllm.engine.process_client import CoreAddresses, RunningCores
 from minivllm.entrypoints.cli import build_parser
+from minivllm.entrypoints.openai.app import build_app
 from minivllm.request.messages import (
     Abort,
     AddRequest,
@@ -193,6 +199,58 @@ def test_the_core_sends_each_api_server_its_own_requests_and_takes_its_aborts_on
     assert senders.owner == {"a": 0}  # b is forgotten once it is gone from the core
     senders.apply(core, 0, Abort(["a"]))
     assert not core.requests and not senders.owner
+
+
+@contextmanager
+def serving(app) -> Iterator[str]:
+    """`app` served by uvicorn in a thread of this process, on 127.0.0.1; yields its url."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+@pytest.mark.slow
+def test_a_dead_core_fails_the_streams_of_every_api_server_and_their_health(default_model, chat_tokenizer, tmp_path):
+    """Two API servers (here: two apps in this process, which stay up after the core dies, so that
+    /health can be asked at leisure) attached to one core process that they did not start."""
+    config = LLMEngine(default_model, tokenizer=chat_tokenizer, **ENGINE).config
+    pairs = [(f"ipc://{tmp_path}/in{i}", f"ipc://{tmp_path}/out{i}") for i in range(2)]
+    core = multiprocessing.get_context("spawn").Process(
+        target=run_core, args=(default_model, config, chat_tokenizer, [p[0] for p in pairs], [p[1] for p in pairs]),
+        kwargs={"threads": 1}, daemon=True)
+    core.start()
+    try:
+        apps = [build_app(AsyncLLM(RunningCores([CoreAddresses(core.pid, *pairs[i])], i, 2), config, chat_tokenizer),
+                          NAME) for i in range(2)]
+        with serving(apps[0]) as first, serving(apps[1]) as second:
+            threads, ended, started = [], {}, []
+            for url in (first, second):
+                t, e, s = streams_until_they_end(url, 2)
+                threads += t
+                ended[url], started = e, started + [s]
+            for barrier in started:
+                barrier.wait(TIMEOUT)
+            killed = time.monotonic()
+            os.kill(core.pid, signal.SIGKILL)
+            for t in threads:
+                t.join(TIMEOUT)
+            assert time.monotonic() - killed < 5 + 1  # (the streams' threads end at once once their error event came)
+            for url in (first, second):
+                assert sorted(ended[url].values()) == ["error event", "error event"], ended
+                health = httpx.get(f"{url}/health", trust_env=False, timeout=TIMEOUT)
+                assert health.status_code == 503 and "exited" in health.json()["error"]["message"], health.text
+    finally:
+        core.kill()
+        core.join()
 
 
 @pytest.mark.slow
