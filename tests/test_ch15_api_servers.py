@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import psutil
@@ -77,6 +78,9 @@ class Served:
         self.children = psutil.Process(self.process.pid).children(recursive=True)
         self.api_servers = self.find_api_servers(count)
         self.core = httpx.get(f"{self.url}/server_info", trust_env=False).json()["core_pid"]
+        # its folder (sockets, metrics): the parent of the metrics folder it gave the API servers
+        self.folder = Path(psutil.Process(self.api_servers[0]).environ()[MULTIPROCESS_FOLDER]).parent
+        assert self.folder.name.startswith("minivllm-serve-") and self.folder.is_dir(), self.folder
 
     def find_api_servers(self, count: int) -> dict[int, int]:
         """index -> pid of every API server, from /server_info (each new connection goes to one of them)."""
@@ -91,11 +95,13 @@ class Served:
         raise AssertionError(f"only API servers {sorted(found)} of {count} ever answered")
 
     def assert_nothing_left(self, seconds: float = 10) -> None:
+        """No process it started still runs, and its folder (sockets, metrics) is gone."""
         deadline = time.monotonic() + seconds
-        while [p for p in self.children if not gone(p.pid)] and time.monotonic() < deadline:
+        while ([p for p in self.children if not gone(p.pid)] or self.folder.exists()) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = [" ".join(p.cmdline()) for p in self.children if not gone(p.pid)]
         assert not left, f"processes left behind: {left}"
+        assert not self.folder.exists(), f"{self.folder} left behind"
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -326,13 +332,14 @@ def streams_until_they_end(url: str, count: int) -> tuple[list[threading.Thread]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["api server 1", "core"])
-def test_a_killed_api_server_or_core_ends_every_stream_and_the_command(two_api_servers, victim):
+@pytest.mark.parametrize("victim", ["api server 1", "core", "minivllm serve"])
+def test_a_killed_api_server_core_or_parent_ends_every_stream_and_the_command(two_api_servers, victim):
     served = two_api_servers
     threads, ended, started = streams_until_they_end(served.url, 6)
     started.wait(TIMEOUT)
     health: list[int] = []
-    os.kill(served.api_servers[1] if victim == "api server 1" else served.core, signal.SIGKILL)
+    pids = {"api server 1": served.api_servers[1], "core": served.core, "minivllm serve": served.process.pid}
+    os.kill(pids[victim], signal.SIGKILL)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and served.process.poll() is None:  # /health never says 200 again
         try:
@@ -349,5 +356,6 @@ def test_a_killed_api_server_or_core_ends_every_stream_and_the_command(two_api_s
     if victim == "core":  # the core's pid is watched: /health says 503 at once (the first may predate the kill)
         assert 200 not in health[1:], health
     assert served.process.wait(30) != 0
-    assert ("engine core process" if victim == "core" else "API server process") in served.process.stderr.read()
+    if victim != "minivllm serve":
+        assert ("engine core process" if victim == "core" else "API server process") in served.process.stderr.read()
     served.assert_nothing_left()

@@ -27,7 +27,7 @@ within WATCH_SECONDS, sends each of its streams an error event, answers /health 
 stops, and exits non-zero; the parent exits non-zero too and removes its folder. SIGTERM (or
 Ctrl-C) to the parent stops the API servers first (each finishes or ends its streams, as one
 server does), then the cores, and exits 0. Every child asks the kernel to end it with the parent,
-so a parent that is killed leaves nothing behind either.
+so a parent that is killed leaves nothing behind either (API server 0 removes its folder).
 """
 from __future__ import annotations
 
@@ -170,7 +170,8 @@ def run_api_server(settings: APIServerSettings, running: RunningCores, sock: soc
     from minivllm.loader import load_tokenizer
 
     die_with_parent()
-    if os.getppid() != multiprocessing.parent_process().pid:  # the parent died while this one started
+    parent = multiprocessing.parent_process().pid
+    if os.getppid() != parent:  # the parent died while this one started
         raise SystemExit(1)
     torch.set_grad_enabled(False)
     died: list[bool] = []
@@ -197,6 +198,8 @@ def run_api_server(settings: APIServerSettings, running: RunningCores, sock: soc
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: None)  # as in the CLI: uvicorn raises them again once it has stopped
     server.run(sockets=[sock])
+    if os.getppid() != parent and running.index == 0:  # the parent was killed, so it cannot clean up: its folder
+        shutil.rmtree(Path(os.environ[MULTIPROCESS_FOLDER]).parent, ignore_errors=True)
     if died or not server.started:
         raise SystemExit(1)
 
