@@ -29,7 +29,7 @@ from server_checks import ENGINE, TIMEOUT, metric_values, openai_client
 from test_ch15_core_process import GREEDY, PROMPTS, free_port, gone, offline
 
 from minivllm import LLM, LLMEngine, SamplingParams
-from minivllm.core.process import Senders, run_core
+from minivllm.core.process import MAX_LEAD, Senders, run_core
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.metrics import MULTIPROCESS_FOLDER
 from minivllm.engine.process_client import CoreAddresses, RunningCores
@@ -171,7 +171,7 @@ class FakeCore:
         self.abort_requests([request_id for request_id, _ in sequences])
 
     def stats(self) -> EngineCoreStats:
-        return EngineCoreStats(len(self.requests), 0, 0.5, 100, 40)
+        return EngineCoreStats(len(self.requests), 0, 0.5, 100, 40, num_preemptions=3, waiting_deferred=1)
 
 
 class SentMessages:
@@ -201,10 +201,22 @@ def test_the_core_sends_each_api_server_its_own_requests_and_takes_its_aborts_on
     assert [o.request_id for o in first.outputs] == ["a"] and [o.request_id for o in second.outputs] == ["b"]
     assert first.stats == core.stats()  # the running sums: API server 0 only, so /metrics counts them once
     assert (second.stats.running, second.stats.kv_cache_usage) == (1, 0.5)
-    assert (second.stats.prefix_queried_tokens, second.stats.prefix_hit_tokens, second.stats.spec) == (0, 0, None)
+    assert (second.stats.prefix_queried_tokens, second.stats.prefix_hit_tokens, second.stats.spec,
+            second.stats.num_preemptions, second.stats.waiting_deferred) == (0, 0, None, 0, 1)
     assert senders.owner == {"a": 0}  # b is forgotten once it is gone from the core
     senders.apply(core, 0, Abort(["a"]))
     assert not core.requests and not senders.owner
+
+
+def test_the_core_runs_at_most_max_lead_steps_ahead_of_the_slowest_api_server():
+    senders = Senders([SentMessages(), SentMessages()])
+    assert senders.may_step()  # neither paces it (yet): it runs free
+    senders.sent, senders.taken = 5, [5, None]
+    assert senders.may_step()
+    senders.taken = [5, 5 - MAX_LEAD]  # the second has fallen MAX_LEAD steps behind
+    assert not senders.may_step()
+    senders.taken = [5 - MAX_LEAD + 1, 4]
+    assert senders.may_step()
 
 
 @contextmanager
