@@ -55,11 +55,9 @@ Adding a part is one entry in PARTS: a name, a limit in seconds, a line saying w
 Run giving the arguments after `python`) or `function` (a function of the Run doing the work in the
 part's own process). Its place in the list is its priority. A Run carries the device, the model's
 arguments, DIR, the part's limit and deadline (time.time()) and `save`, for results written row by
-row. A server measured over HTTP is one call of serve_and_load, e.g.
-
-    Part("api_servers", 150, "1-256 users, 4 API server processes", levels_summary("15_serving_gpu"),
-         function=lambda run: serve_and_load(run, "15_serving_gpu", {"4 API servers": ["--api-server-count", "4"]},
-                                             [1, 8, 32, 128, 256], "ladder_gpu", "15_latency_vs_concurrency_gpu")),
+row. A server measured over HTTP is one call of serve_and_load: the parts serving, api_servers (issue
+48: `--api-server-count` 1, 2 and 4 at 128 and 256 users, after serving; ~150 s, limit 200 s) and
+data_parallel are three such calls.
 
 `--device cpu` is a dry run of the same code with the embedded model (or --model) and tiny
 workloads, each part's torch on one thread (tests/test_gpu_runbook.py runs it).
@@ -256,6 +254,22 @@ def serving(run: Run) -> None:
                    "15_latency_vs_users" + ("_gpu" if run.gpu else "_dry_run"))
 
 
+def api_servers(run: Run) -> None:
+    """Issue 48: the core-process server with 1, 2 and 4 API server processes (`--api-server-count`)
+    at 128 and 256 users, where one frontend process stopped growing on the H200 (11,336 tok/s at
+    128 users, 12,211 at 256). The dry run starts only the 2-process server, at 2 users."""
+    settings = ["--num-kv-blocks", "16384"] if run.gpu else ["--threads", "1"]
+    counts = [1, 2, 4] if run.gpu else [2]
+    serve_and_load(run, f"48_api_servers_{'gpu' if run.gpu else 'dry_run'}",
+                   {f"{n} API server{'s' if n > 1 else ''}": [*settings, "--api-server-count", str(n)] for n in counts},
+                   [128, 256] if run.gpu else [2], "ladder_gpu" if run.gpu else "tiny",
+                   "48_api_servers" + ("_gpu" if run.gpu else "_dry_run"))
+
+
+def api_servers_summary(run: Run) -> dict[str, Any]:
+    return levels_summary(f"48_api_servers_{'gpu' if run.gpu else 'dry_run'}")(run)
+
+
 def data_parallel(run: Run) -> None:
     """Chapter 14's copies where only one GPU is lent: one core process against two copies of the
     model, each a core process with half the KV cache, taking turns on the same GPU (on the CPU
@@ -435,6 +449,8 @@ PARTS: list[Part] = [  # in priority order: the budget runs out at the end of th
     Part("roofline", 130, "nano workload against its memory floor", roofline_summary, command=roofline),
     Part("serving", 200, "one-process vs core-process server over HTTP, 1-256 users", serving_summary,
          function=serving),
+    Part("api_servers", 200, "1, 2 and 4 API server processes in front of one core, 128 and 256 users",
+         api_servers_summary, function=api_servers),
     Part("data_parallel", 150, "one core against two copies sharing the device, over HTTP, 32-256 users",
          data_parallel_summary, function=data_parallel),
     Part("overlap", 60, "a decode step at batch 256, synchronous vs async scheduling", overlap_summary,

@@ -39,11 +39,11 @@ def load_runbook():
 
 @pytest.mark.floors
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 def test_the_dry_run_goes_through_every_part(tiny_checkpoint, tmp_path):
     out, archive = tmp_path / "run", tmp_path / "run.tar.gz"
     done = runbook("--out", str(out), "--device", "cpu", "--model", str(tiny_checkpoint), "--archive", str(archive),
-                   timeout=400)
+                   timeout=520)  # (the api_servers part, issue 48, starts three more processes: ~90 s loaded)
     summary = json.loads((out / "runbook.json").read_text())
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert [p["name"] for p in summary["parts"]] == [p.name for p in load_runbook().PARTS]

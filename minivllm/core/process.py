@@ -18,6 +18,11 @@ every step until the frontend gets round to noticing (issue 49 measured ~44 toke
 slowed by the frontend's GIL). Paced, it costs a step or two. Nothing is lost: when the frontend
 is the slower half, its pace is what the clients get, whether the core runs ahead or not.
 
+Several frontends (issue 48, `minivllm serve --api-server-count N`): the core connects a pair of
+sockets to each, remembers which frontend sent each request, and sends each frontend its own
+requests' news (every step, with the gauges, so each one's /metrics sees the whole core); it
+runs at most MAX_LEAD steps ahead of the slowest frontend that paces it.
+
 Failure: a request the core cannot take is refused alone (Refused); a step that raises is the
 core's end (Failed, then exit code 1): its state may be half-updated, so carrying on could serve
 wrong tokens. The process asks the kernel to end it when its parent dies, and also checks its
@@ -42,6 +47,8 @@ from minivllm.core.engine_core import EngineCore
 from minivllm.request.messages import (
     Abort,
     AddRequest,
+    EngineCoreOutput,
+    EngineCoreStats,
     Failed,
     Ready,
     Refused,
@@ -67,10 +74,12 @@ def die_with_parent() -> None:
         pass
 
 
-def run_core(model: Any, config: EngineConfig, tokenizer: Any, inbox: str, outbox: str,
+def run_core(model: Any, config: EngineConfig, tokenizer: Any, inboxes: list[str], outboxes: list[str],
              device: str | None = None, dtype: torch.dtype | None = None, threads: int | None = None) -> None:
-    """The process' main: build the core, say Ready (with the resolved config), then serve
-    until Shutdown. inbox/outbox: ZMQ addresses the frontend has bound (PUSH -> PULL each way)."""
+    """The process' main: build the core, say Ready (with the resolved config) to every frontend,
+    then serve until Shutdown. inboxes/outboxes: the ZMQ addresses each frontend has bound, one
+    pair per frontend (PUSH -> PULL each way); frontend i's requests come in on inboxes[i] and
+    their outputs go out on outboxes[i]."""
     die_with_parent()
     parent = os.getppid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle: it tells us
@@ -78,17 +87,22 @@ def run_core(model: Any, config: EngineConfig, tokenizer: Any, inbox: str, outbo
     if threads is not None:
         torch.set_num_threads(threads)
     context = zmq.Context()
-    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    pull.connect(inbox)
-    push.connect(outbox)
+    pulls, pushes = [context.socket(zmq.PULL) for _ in inboxes], [context.socket(zmq.PUSH) for _ in outboxes]
+    for pull, inbox in zip(pulls, inboxes):
+        pull.connect(inbox)
+    for push, outbox in zip(pushes, outboxes):
+        push.connect(outbox)  # a frontend not bound yet gets its messages once it binds
     try:
         core = EngineCore.load(model, config, tokenizer, device, dtype)
-        push.send(encoder.encode(Ready(os.getpid())))
-        push.send_pyobj((core.info(), core.config))  # the input processor checks against this config
-        serve(core, pull, push, parent)
+        for push in pushes:
+            push.send(encoder.encode(Ready(os.getpid())))
+            push.send_pyobj((core.info(), core.config))  # the input processor checks against this config
+        serve(core, pulls, pushes, parent)
     except Exception as err:
         log.exception("the engine core failed")
-        push.send(encoder.encode(Failed(f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}")))
+        failed = encoder.encode(Failed(f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"))
+        for push in pushes:
+            push.send(failed)
         context.destroy(linger=2000)  # give the Failed message its chance to leave
         sys.exit(1)
     context.destroy(linger=0)
@@ -117,32 +131,98 @@ def apply_message(core: EngineCore, message: AddRequest | Abort | StopSequences)
     return None
 
 
-def serve(core: EngineCore, pull: zmq.Socket, push: zmq.Socket, parent: int) -> None:
-    """The busy loop: messages between steps, one StepOutputs per step, at most MAX_LEAD steps
-    ahead of a frontend that says what it has taken in (one that never does is not waited for)."""
-    sent, taken = 0, None  # steps sent; steps the frontend has taken in (None: it does not say)
+def serve(core: EngineCore, pulls: list[zmq.Socket], pushes: list[zmq.Socket], parent: int) -> None:
+    """The busy loop: messages between steps, one StepOutputs per step (to each frontend), at most
+    MAX_LEAD steps ahead of every frontend that says what it has taken in (one that never does is
+    not waited for)."""
+    senders = Senders(pushes)
+    poller = zmq.Poller()
+    for pull in pulls:
+        poller.register(pull, zmq.POLLIN)
     while True:
-        runnable = core.has_unfinished_requests() and (taken is None or sent - taken < MAX_LEAD)
-        if not runnable and not pull.poll(IDLE_POLL_MS):
+        runnable = core.has_unfinished_requests() and senders.may_step()
+        if not runnable and not poller.poll(IDLE_POLL_MS):
             if os.getppid() != parent:  # the frontend is gone without a word
                 return
             continue
         changed = False
-        while pull.poll(0):
-            message = to_core_decoder.decode(pull.recv())
-            if isinstance(message, Shutdown):
-                return
-            if isinstance(message, Taken):
-                taken = message.steps
-                continue
-            changed = True
-            refused = apply_message(core, message)
-            if refused is not None:
-                push.send(encoder.encode(refused))
-        if core.has_unfinished_requests() and (taken is None or sent - taken < MAX_LEAD):
+        for client, pull in enumerate(pulls):
+            while pull.poll(0):
+                message = to_core_decoder.decode(pull.recv())
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, Taken):
+                    senders.taken[client] = message.steps
+                    continue
+                changed = True
+                refused = senders.apply(core, client, message)
+                if refused is not None:
+                    senders.send(client, refused)
+        if core.has_unfinished_requests() and senders.may_step():
             start = time.perf_counter()
             outputs = core.step()
-            push.send(encoder.encode(StepOutputs(outputs, core.stats(), start, time.perf_counter())))
-            sent += 1
-        elif changed:  # an abort emptied the core (or it waits for the frontend): the gauges say so at once
-            push.send(encoder.encode(StepOutputs([], core.stats())))
+            senders.step_outputs(core, outputs, start, time.perf_counter())
+            senders.sent += 1
+        elif changed:  # an abort emptied the core (or it waits for a frontend): the gauges say so at once
+            senders.step_outputs(core, [], 0.0, 0.0)
+
+
+class Senders:
+    """Who gets what: with one frontend, everything; with several, each its own requests.
+
+    The core remembers the frontend that sent each request (`owner`, until the request is gone
+    from the core), takes aborts and stops only from that frontend, and after a step sends every
+    frontend a StepOutputs with its requests' outputs and the core's gauges. The running sums of
+    the gauges message (prefix-cache tokens, speculation's counts, preemptions) go to frontend 0
+    alone: the frontends' counters are added up over the processes for /metrics, so the others
+    count 0. Every frontend gets every step, so each one's Taken counts the same steps as `sent`."""
+
+    def __init__(self, pushes: list[zmq.Socket]):
+        self.pushes = pushes
+        self.owner: dict[str, int] = {}  # request id -> the frontend that sent it (several frontends only)
+        self.sent = 0  # steps sent
+        self.taken: list[int | None] = [None] * len(pushes)  # steps each frontend has taken in (None: it does not say)
+
+    def may_step(self) -> bool:
+        """At most MAX_LEAD steps ahead of the slowest frontend that paces the core."""
+        return all(taken is None or self.sent - taken < MAX_LEAD for taken in self.taken)
+
+    def send(self, client: int, message: Any) -> None:
+        self.pushes[client].send(encoder.encode(message))
+
+    def apply(self, core: EngineCore, client: int, message: AddRequest | Abort | StopSequences) -> Refused | None:
+        """apply_message, with several frontends: a request is known by the frontend that sent it."""
+        if len(self.pushes) == 1:
+            return apply_message(core, message)
+        if isinstance(message, AddRequest):
+            refused = apply_message(core, message)
+            if refused is None:
+                self.owner[message.request.request_id] = client
+            return refused
+        if isinstance(message, Abort):
+            message = Abort([r for r in message.request_ids if self.owner.get(r) == client])
+        elif isinstance(message, StopSequences):
+            message = StopSequences([s for s in message.sequences if self.owner.get(s[0]) == client])
+        apply_message(core, message)
+        ids = message.request_ids if isinstance(message, Abort) else [s[0] for s in message.sequences]
+        self.forget(core, ids)
+        return None
+
+    def forget(self, core: EngineCore, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if request_id not in core.requests:
+                self.owner.pop(request_id, None)
+
+    def step_outputs(self, core: EngineCore, outputs: list[EngineCoreOutput], start: float, end: float) -> None:
+        stats = core.stats()
+        if len(self.pushes) == 1:
+            self.send(0, StepOutputs(outputs, stats, start, end))
+            return
+        mine: list[list[EngineCoreOutput]] = [[] for _ in self.pushes]
+        for output in outputs:
+            mine[self.owner.get(output.request_id, 0)].append(output)
+        self.forget(core, [o.request_id for o in outputs if o.finish_reason is not None])
+        gauges_only = EngineCoreStats(stats.running, stats.waiting, stats.kv_cache_usage, 0, 0, None, 0,
+                                      stats.waiting_deferred)
+        for client, its_outputs in enumerate(mine):
+            self.send(client, StepOutputs(its_outputs, stats if client == 0 else gauges_only, start, end))

@@ -8,6 +8,8 @@ request/messages.py pass, so where the core runs is a choice of client, made by 
                                               chapters 7-14 (and tensor parallelism's rank 0)
     core in a process     CoreProcessClient   one core process over ZMQ (chapter 15)
     N copies              DataParallelClient  N core processes behind a router (chapter 14)
+    cores already running AttachedCoreClient  one API server of several (issue 48): the cores are
+                                              its parent's, it binds its own pair of their sockets
 
 The process clients are asynchronous (the server's event loop reads them); LLMEngine is
 synchronous, so it drives them through `SyncClient`, which runs their event loop in a thread of
@@ -29,7 +31,11 @@ import torch
 from minivllm.config.engine import EngineConfig
 from minivllm.core.engine_core import EngineCore
 from minivllm.engine.data_parallel import DataParallelClient
-from minivllm.engine.process_client import CoreProcessClient
+from minivllm.engine.process_client import (
+    AttachedCoreClient,
+    CoreProcessClient,
+    RunningCores,
+)
 from minivllm.executor.group import torchrun_rank
 from minivllm.executor.main_guard import refuse_unguarded_start
 from minivllm.loader import load_tokenizer
@@ -159,7 +165,13 @@ def make_client(model: Any, config: EngineConfig, tokenizer: Any = None, device:
     caller's thread. asyncio_mode: the server's event loop reads the client itself (AsyncLLM;
     not started yet: `await client.start()`); otherwise a synchronous client (LLMEngine).
     model/tokenizer/device/dtype: as for LLMEngine; threads: torch's CPU threads in each core
-    process (None: this process's, shared among N copies)."""
+    process (None: this process's, shared among N copies). model may also be RunningCores, the
+    cores of `minivllm serve --api-server-count N` that this API server attaches to (asyncio_mode;
+    the tokenizer is then the caller's to give)."""
+    if isinstance(model, RunningCores):
+        cores = [AttachedCoreClient(core, model.index, model.count) for core in model.cores]
+        client = DataParallelClient(None, config, cores=cores) if len(cores) > 1 else cores[0]
+        return client, tokenizer
     spawns_ranks = config.tensor_parallel_size > 1 and torchrun_rank() is None  # torchrun starts its ranks itself
     if config.data_parallel_size > 1 or spawns_ranks or multiprocess or asyncio_mode:
         refuse_unguarded_start()  # before loading anything: a script without the main guard ends here

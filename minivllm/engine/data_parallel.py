@@ -72,6 +72,14 @@ def choose_core(loads: list[int], prefix_hits: list[int] | None = None, prefix_s
     # END SOLUTION
 
 
+def core_device(device: str | None, index: int) -> str | None:
+    """Where data-parallel core `index` runs: on CUDA, GPU index; more copies than GPUs share
+    them in turn (two processes on one GPU take turns on it: that pays only where one core leaves
+    the GPU idle between its steps). Elsewhere, `device` itself."""
+    gpus = torch.cuda.device_count() if device is not None and torch.device(device).type == "cuda" else 0
+    return f"cuda:{index % gpus}" if gpus else device
+
+
 def prompt_blocks(token_ids: list[int], block_size: int) -> list[bytes]:
     """A key for each full block of the prompt that names the block and everything before it
     (as a prefix cache's block hashes do): equal keys, equal prefixes."""
@@ -85,17 +93,25 @@ def prompt_blocks(token_ids: list[int], block_size: int) -> list[bytes]:
 class DataParallelClient:
     """N CoreClients, one request to one core. model/config/tokenizer/device/dtype/threads: as
     for CoreProcessClient (config.data_parallel_size cores; each gets the config with size 1, and on
-    CUDA core i runs on GPU i). prefer_prefix: route by prefix cache as well as by load."""
+    CUDA core i runs on GPU i). prefer_prefix: route by prefix cache as well as by load. cores:
+    clients of cores already running (an API server of several, issue 48: AttachedCoreClients)
+    instead of starting new ones; then model, tokenizer, device, dtype and threads are unused.
+
+    With several API servers, each routes its own requests: every core sends every API server
+    its gauges each step, so the loads are the whole core's; the prefix blocks remembered are
+    only this API server's prompts."""
 
     def __init__(self, model: Any, config: EngineConfig, tokenizer: Any = None, device: str | None = None,
-                 dtype: torch.dtype | None = None, threads: int | None = None, prefer_prefix: bool = True):
+                 dtype: torch.dtype | None = None, threads: int | None = None, prefer_prefix: bool = True,
+                 cores: list[CoreProcessClient] | None = None):
         size = config.data_parallel_size
-        one = dataclasses.replace(config, data_parallel_size=1)
-        # On CUDA core i runs on GPU i; more copies than GPUs share them in turn (two processes on one
-        # GPU take turns on it: that pays only where one core leaves the GPU idle between its steps).
-        gpus = torch.cuda.device_count() if device is not None and torch.device(device).type == "cuda" else 0
-        self.cores = [CoreProcessClient(model, one, tokenizer, f"cuda:{i % gpus}" if gpus else device, dtype, threads)
-                      for i in range(size)]
+        if cores is not None:
+            self.cores = cores
+        else:
+            one = dataclasses.replace(config, data_parallel_size=1)
+            self.cores = [CoreProcessClient(model, one, tokenizer, core_device(device, i), dtype, threads)
+                          for i in range(size)]
+        size = len(self.cores)
         self.prefer_prefix = prefer_prefix
         self.loads = [0] * size  # each core's running + waiting: its last report plus what was sent since
         self.sent = [0] * size  # requests sent to each core, ever

@@ -27,6 +27,8 @@ length, which a core process knows only once it has started: `describe_engine` m
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from minivllm.request.messages import SpecDecodeStats
 from minivllm.request.outputs import RequestOutput
@@ -295,5 +299,37 @@ class ServerMetrics:
                 self.requests.observe(m, output, clock, now)
 
     def exposition(self) -> bytes:
-        """The registry in Prometheus' text format."""
-        return generate_latest(self.registry)
+        """The registry in Prometheus' text format; with several API servers, all of them."""
+        folder = os.environ.get(MULTIPROCESS_FOLDER)
+        return generate_latest(AllAPIServers(self.registry, folder) if folder else self.registry)
+
+
+# ---- issue 48: one /metrics over N API server processes ----
+
+MULTIPROCESS_FOLDER = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it once, when first imported
+
+
+class AllAPIServers:
+    """What /metrics shows when `minivllm serve --api-server-count N` runs N API server processes
+    (their parent sets MULTIPROCESS_FOLDER for them, so that prometheus_client keeps every value
+    in a memory-mapped file per process there).
+
+    Two kinds of series, two answers. What the frontends count (requests, tokens, the latency
+    histograms) is spread over the processes, each counting its own requests: prometheus_client's
+    multiprocess collector adds up the files of all of them, the dead included. The gauges are
+    the core's (running, waiting, KV use): every API server gets them with every step, so this
+    process's own values already describe the whole core. (Multiprocess mode would need a mode
+    chosen per gauge; its default gives one series per pid, which is not one view.) The counters
+    that follow the core's running sums (prefix cache, speculation) are counted by API server 0
+    alone: the core sends the sums to it only (core/process.py)."""
+
+    def __init__(self, own: CollectorRegistry, folder: str):
+        self.own, self.folder = own, folder
+
+    def collect(self) -> Iterator[Metric]:
+        for family in MultiProcessCollector(None, self.folder).collect():
+            if family.type != "gauge":
+                yield family
+        for family in self.own.collect():
+            if family.type == "gauge":
+                yield family

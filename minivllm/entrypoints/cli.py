@@ -106,6 +106,8 @@ def _serve(args: argparse.Namespace) -> None:
             raise SystemExit(f"minivllm serve: {err}")
     core = engine_core(args)
     name = args.served_model_name or args.model or "minivllm-default"
+    if args.api_server_count > 1:
+        return _serve_api_servers(args, core, name, options)
     died: list[bool] = []  # set when the core process dies: the server stops and exits non-zero
     server: uvicorn.Server | None = None
 
@@ -158,6 +160,48 @@ def _serve(args: argparse.Namespace) -> None:
         raise SystemExit("minivllm serve: the engine core process died, so the server stopped")
     if not server.started:
         raise SystemExit("minivllm serve: the server did not start")
+
+
+def _serve_api_servers(args: argparse.Namespace, core: str, name: str, options: dict[str, Any]) -> None:
+    """--api-server-count N > 1 (issue 48): N API server processes on one port in front of the
+    engine core process(es); entrypoints/openai/api_servers.py says who starts and binds what."""
+    from minivllm.config.engine import EngineConfig
+    from minivllm.entrypoints.openai.api_servers import (
+        APIServerSettings,
+        serve_api_servers,
+    )
+
+    if core != "process":
+        raise SystemExit("minivllm serve: --api-server-count > 1 needs the engine core in processes of its own "
+                         "(continuous batching, --tensor-parallel-size 1, not --engine-core thread)")
+    settings = engine_options(args)
+    device, dtype = settings.pop("device"), settings.pop("dtype")
+    try:
+        config = EngineConfig.from_settings(**settings)
+    except ValueError as err:
+        raise SystemExit(f"minivllm serve: {err}")
+    max_waiting = options.pop("max_waiting")
+    server = APIServerSettings(args.model, config, name, options, max_waiting, args.chat_template, args.log_level)
+    print(f"serving {name!r}: {args.api_server_count} API server processes in front of "
+          f"{args.data_parallel_size} engine core process(es); http://{args.host}:{args.port}/v1"
+          + ("; /v1 wants the API key" if options["api_key"] else ""))
+    try:
+        failure = serve_api_servers(server, args.api_server_count, args.host, args.port, device, dtype, args.threads)
+    except OSError as err:  # the port is taken, say
+        raise SystemExit(f"minivllm serve: {err}")
+    if failure is not None:
+        raise SystemExit(f"minivllm serve: {failure}")
+
+
+def api_server_count(text: str) -> int:
+    """An argparse type for --api-server-count: a whole number of processes, at least 1."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of processes, at least 1; got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"at least 1 API server process; got {count}")
+    return count
 
 
 def json_object(text: str) -> dict:
@@ -239,6 +283,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="process: the engine core in a process of its own, HTTP and text in this one (chapter "
                             "15, the default); thread: chapter 10's one-process server (the default for --scheduler "
                             "static and --tensor-parallel-size > 1)")
+    serve.add_argument("--api-server-count", type=api_server_count, default=1,
+                       help="API server processes (HTTP, tokenizing, detokenizing, SSE) on this one port in front "
+                            "of the engine core process(es) (issue 48; default 1; on a GPU host see the README)")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(run=_serve)
 
