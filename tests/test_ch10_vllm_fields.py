@@ -455,12 +455,15 @@ def test_the_app_serves_on_a_unix_socket(default_model, tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_minivllm_serve_on_a_unix_socket_under_a_root_path(tmp_path):
+@pytest.mark.parametrize("servers", [["--engine-core", "thread"], ["--api-server-count", "2"]],
+                         ids=["one server, engine thread", "two API servers"])
+def test_minivllm_serve_on_a_unix_socket_under_a_root_path(tmp_path, servers):
     """The CLI end to end: `minivllm serve --uds PATH --root-path /api` answers on the socket,
-    under the prefix; SIGTERM stops it."""
+    under the prefix (with two API server processes too: they share the socket); SIGTERM stops it
+    and leaves no socket file."""
     path = tmp_path / "serve.sock"
     command = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--uds", str(path), "--root-path", "/api",
-               "--device", "cpu", "--engine-core", "thread", "--num-kv-blocks", "64", "--served-model-name", MODEL]
+               "--device", "cpu", *servers, "--num-kv-blocks", "64", "--served-model-name", MODEL]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env=os.environ | {"PYTHONPATH": str(Path(minivllm.__file__).parents[1])})
     try:
@@ -479,8 +482,9 @@ def test_minivllm_serve_on_a_unix_socket_under_a_root_path(tmp_path):
             assert got["usage"]["completion_tokens"] == 2
     finally:
         process.terminate()
-        process.wait(30)
+        process.wait(60)
     assert process.returncode == 0
+    assert not path.exists()
 
 
 def test_vllms_api_key_variable_is_read_after_minivllms(monkeypatch):

@@ -155,7 +155,11 @@ def _serve(args: argparse.Namespace) -> None:
         # uvicorn shuts down on these, then raises them again for the handler that was there before it:
         # this one, which lets a shutdown that went well end with exit status 0.
         signal.signal(stop, lambda *_: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if args.uds:  # uvicorn leaves the socket file, and a file left there stops the next start
+            Path(args.uds).unlink(missing_ok=True)
     if died:
         raise SystemExit("minivllm serve: the engine core process died, so the server stopped")
     if not server.started:
@@ -183,10 +187,12 @@ def _serve_api_servers(args: argparse.Namespace, core: str, name: str, options: 
     max_waiting = options.pop("max_waiting")
     server = APIServerSettings(args.model, config, name, options, max_waiting, args.chat_template, args.log_level)
     print(f"serving {name!r}: {args.api_server_count} API server processes in front of "
-          f"{args.data_parallel_size} engine core process(es); http://{args.host}:{args.port}/v1"
+          f"{args.data_parallel_size} engine core process(es); "
+          + (f"the Unix socket {args.uds}" if args.uds else f"http://{args.host}:{args.port}{args.root_path}/v1")
           + ("; /v1 wants the API key" if options["api_key"] else ""))
     try:
-        failure = serve_api_servers(server, args.api_server_count, args.host, args.port, device, dtype, args.threads)
+        failure = serve_api_servers(server, args.api_server_count, args.host, args.port, device, dtype, args.threads,
+                                    args.uds)
     except OSError as err:  # the port is taken, say
         raise SystemExit(f"minivllm serve: {err}")
     if failure is not None:

@@ -72,20 +72,32 @@ class APIServerSettings:
     log_level: str
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The one socket all API servers accept on, bound here so that a port in use fails at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=BACKLOG)  # SO_REUSEADDR, as uvicorn's
+def listening_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
+    """The one socket all API servers accept on, bound here so that a port in use fails at once;
+    with `uds`, a Unix socket at that path instead (--uds; as uvicorn binds one: a path that
+    exists is an error, and anyone on the machine may connect)."""
+    if uds is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(uds)
+        except OSError:
+            sock.close()
+            raise
+        os.chmod(uds, 0o666)
+        sock.listen(BACKLOG)
+    else:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)  # SO_REUSEADDR, as uvicorn's
     sock.set_inheritable(True)
     return sock
 
 
 def serve_api_servers(settings: APIServerSettings, count: int, host: str, port: int, device: str | None,
-                      dtype: torch.dtype | None, threads: int | None) -> str | None:
+                      dtype: torch.dtype | None, threads: int | None, uds: str | None = None) -> str | None:
     """Run `count` API servers and config.data_parallel_size cores until SIGTERM/SIGINT or until
-    one of them dies. Returns None after a clean stop, else why it stopped (the CLI exits non-zero
-    with it)."""
-    sock = listening_socket(host, port)  # first: a port in use fails before anything else exists
+    one of them dies, on host:port or the Unix socket `uds`. Returns None after a clean stop, else
+    why it stopped (the CLI exits non-zero with it)."""
+    sock = listening_socket(host, port, uds)  # first: a port in use fails before anything else exists
     folder = tempfile.mkdtemp(prefix="minivllm-serve-")
     os.environ[MULTIPROCESS_FOLDER] = str(Path(folder) / "metrics")  # the API servers inherit it
     os.mkdir(os.environ[MULTIPROCESS_FOLDER])
@@ -121,6 +133,8 @@ def serve_api_servers(settings: APIServerSettings, count: int, host: str, port: 
     finally:
         sock.close()
         stop_all(servers, cores)  # (after an error here; nothing left to do after a stop)
+        if uds is not None:
+            Path(uds).unlink(missing_ok=True)  # the socket file outlives its socket
         for s, handler in previous.items():
             signal.signal(s, handler)
         del os.environ[MULTIPROCESS_FOLDER]
