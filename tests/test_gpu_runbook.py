@@ -39,11 +39,11 @@ def load_runbook():
 
 @pytest.mark.floors
 @pytest.mark.slow
-@pytest.mark.timeout(540)
+@pytest.mark.timeout(800)
 def test_the_dry_run_goes_through_every_part(tiny_checkpoint, tmp_path):
     out, archive = tmp_path / "run", tmp_path / "run.tar.gz"
     done = runbook("--out", str(out), "--device", "cpu", "--model", str(tiny_checkpoint), "--archive", str(archive),
-                   timeout=520)  # (the api_servers part, issue 48, starts three more processes: ~90 s loaded)
+                   timeout=780)  # 13 parts; measured 503 s for 12 of them on 2 cores under load 6-9
     summary = json.loads((out / "runbook.json").read_text())
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert [p["name"] for p in summary["parts"]] == [p.name for p in load_runbook().PARTS]
