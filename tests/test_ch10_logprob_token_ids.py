@@ -138,8 +138,9 @@ def test_completions_report_the_listed_ids_at_every_position(client, hf_model, s
     check_positions(hf_model, prompt_ids, output_ids, positions, LISTED)
 
 
-@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3}],
-                         ids=["plain", "speculative"])
+@pytest.mark.parametrize("speculative_config", [
+    pytest.param(None, id="plain"),
+    pytest.param({"method": "ngram", "num_speculative_tokens": 3}, id="speculative", marks=pytest.mark.ch12)])
 def test_offline_llm_reports_them_in_a_mixed_batch(default_model, chat_tokenizer, hf_model, speculative_config):
     """Two requests in one batch, one asking for the top 2, one for listed ids: each gets its own
     (under speculative decoding too, where the verifier reports the accepted tokens' logprobs)."""

@@ -354,7 +354,8 @@ def test_load_counts_requests_in_flight_and_orca_reports_the_engines_load(http):
     with http.stream("POST", "/v1/completions", json=body) as response:
         expect_status(response)
         lines = response.iter_lines()
-        next(lines)  # the stream has begun: the request is in flight
+        first = next(lines)  # the stream has begun: the request is in flight
+        assert '"error"' not in first, first  # (a failed request says why, a stub's name included)
         assert answer(http.get("/load")) == {"server_load": 1}
     deadline = time.monotonic() + TIMEOUT  # the server notices the closed stream, then releases it
     while answer(http.get("/load"))["server_load"] != 0:
@@ -375,6 +376,7 @@ def test_load_counts_requests_in_flight_and_orca_reports_the_engines_load(http):
 
 # ---- serve's flags ----
 
+@pytest.mark.ch11  # --enable-prompt-tokens-details counts what chapter 11's prefix cache held
 def test_server_flags(default_model, tokenizer):
     """--root-path (routes with and without the prefix, the key still wanted under it),
     --return-tokens-as-token-ids (the default a request may override), --enable-force-include-usage,

@@ -29,7 +29,9 @@ def test_the_edits_cross_to_a_core_process(llm):
     want = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
     without = dataclasses.replace(params, bad_words=None)
     assert llm.generate(PROMPT, without, use_tqdm=False)[0].outputs[0].token_ids != want  # the words matter
-    engine = LLMEngine(multiprocess=True, **ENGINE)
+    # the core process is spawned with the package's defaults; give it the in-thread engine's
+    # persistent batch (chapter 16's, off as of this chapter) so it runs the same chapter's engine
+    engine = LLMEngine(multiprocess=True, persistent_batch=llm.engine.config.persistent_batch, **ENGINE)
     try:
         engine.add_request(request_id="r", prompt=PROMPT, params=params)
         got = None
