@@ -28,8 +28,14 @@ LATER_DEFAULTS = engine_config.LATER_DEFAULTS
 
 
 def chapters_of(node: pytest.Item | pytest.Collector) -> list[str]:
-    """The chapter markers (ch01 ...) of a test, or of the module or class a fixture belongs to."""
-    return sorted({m.name for m in node.iter_markers() if re.fullmatch(r"ch\d\d", m.name)})
+    """The chapter markers (ch01 ...) of a test, or of the module or class a fixture belongs to:
+    the closest level's that has any (a test's, or its parameter's, own chapter marker replaces
+    its module's: a check in a chapter-10 file that needs chapter 12's speculation is chapter 12's)."""
+    for level in reversed(node.listchain()):
+        chapters = sorted({m.name for m in level.own_markers if re.fullmatch(r"ch\d\d", m.name)})
+        if chapters:
+            return chapters
+    return []
 
 
 @contextmanager

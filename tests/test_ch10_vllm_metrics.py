@@ -151,6 +151,7 @@ def test_requests_waiting_for_a_place_in_the_batch_wait_for_capacity(default_mod
     assert {s.labels["reason"]: s.value for s in idle} == {"capacity": 0, "deferred": 0}
 
 
+@pytest.mark.ch13  # a grammar: chapter 13
 def test_a_request_whose_grammar_is_compiling_waits_deferred(default_model, chat_tokenizer):
     engine = LLMEngine(default_model, tokenizer=chat_tokenizer, num_kv_blocks=64)
     compile_constraint = engine.core._compile_constraint
