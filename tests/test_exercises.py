@@ -395,8 +395,10 @@ def test_a_chapter_needs_only_its_own_and_earlier_exercises(classroom, chapter, 
                         "depend only on chapters up to theirs); the first:\n"
                         + "\n\n".join(f"{test}\n{text[:1500]}" for test, text in broken[:3]))
     mine = [ex for ex in EXERCISES if ex.chapter == chapter]
+    # (a check selected through its module's marker whose own marker names a later chapter is
+    # that chapter's: its stub may be another one)
     unnamed = [(test, text) for test, chapters, text in outcomes
-               if text is not None and not any(f"Exercise {ex.label}:" in text for ex in mine)]
+               if chapter in chapters and text is not None and not any(f"Exercise {ex.label}:" in text for ex in mine)]
     assert not unnamed, (f"{len(unnamed)} {chapter} checks fail without naming one of the chapter's exercises "
                          f"({', '.join(ex.qualname for ex in mine)}); the first:\n"
                          + "\n\n".join(f"{test}\n{text[:1500]}" for test, text in unnamed[:3]))
