@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +32,13 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frontend_cpu import cpu_seconds, stop  # a script beside this one
+from frontend_cpu import cpu_seconds, healthy, stop  # a script beside this one
 
 from minivllm.course.bench.harness import save_results
 from minivllm.course.bench.load import run_level
 from minivllm.course.bench.split_serving import (
     CHEAP_SHAPE,
     ENGINE,
-    START_TIMEOUT,
     free_port,
     write_cheap_model,
 )
@@ -55,18 +53,7 @@ def start_server(model: Path, count: int) -> tuple[subprocess.Popen, str]:
                "--threads", "1", "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--num-kv-blocks",
                str(ENGINE["num_kv_blocks"]), "--max-waiting", "4096", "--api-server-count", str(count)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + START_TIMEOUT
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited: {server.stderr.read()[-2000:]}")
-        if time.monotonic() > deadline:
-            stop(server)
-            raise RuntimeError(f"the server did not start within {START_TIMEOUT:g} s")
-        try:
-            if httpx.get(f"{url}/health", trust_env=False, timeout=5).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    return server, healthy(server, f"http://127.0.0.1:{port}")
 
 
 def processes(server: subprocess.Popen, url: str, count: int) -> tuple[list[psutil.Process], psutil.Process]:

@@ -75,7 +75,12 @@ def start_server(model: Path, code: Path, hidden: str = "") -> tuple[subprocess.
                      "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-waiting", "4096"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (hidden, str(code))))))
-    url = f"http://127.0.0.1:{port}"
+    return server, healthy(server, f"http://127.0.0.1:{port}")
+
+
+def healthy(server: subprocess.Popen, url: str) -> str:
+    """`url` once the server there answers /health with 200; a RuntimeError (and the server stopped)
+    if it exits first or takes longer than START_TIMEOUT."""
     deadline = time.monotonic() + START_TIMEOUT
     while True:
         if server.poll() is not None:
@@ -84,8 +89,8 @@ def start_server(model: Path, code: Path, hidden: str = "") -> tuple[subprocess.
             stop(server)
             raise RuntimeError(f"the server did not start within {START_TIMEOUT:g} s")
         try:
-            if httpx.get(f"{url}/health", trust_env=False).status_code == 200:
-                return server, url
+            if httpx.get(f"{url}/health", trust_env=False, timeout=5).status_code == 200:
+                return url
         except httpx.HTTPError:
             time.sleep(0.2)
 
