@@ -371,3 +371,29 @@ def test_a_killed_api_server_core_or_parent_ends_every_stream_and_the_command(tw
     if victim != "minivllm serve":
         assert ("engine core process" if victim == "core" else "API server process") in served.process.stderr.read()
     served.assert_nothing_left()
+
+
+def test_sigterm_while_the_api_servers_still_load_is_a_clean_stop(tmp_path):
+    """A stop asked for before the API servers are up (here: as soon as they exist, still importing)
+    ends them as asked: exit 0, no socket file, nothing left running. (Before the fix, each API
+    server ended by the SIGTERM itself, exit code -15, and the command reported them as unclean.)"""
+    path = tmp_path / "serve.sock"
+    command = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--uds", str(path), "--threads", "1",
+               "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--no-persistent-batch", "--api-server-count", "2"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        parent, deadline = psutil.Process(process.pid), time.monotonic() + 60
+        while len([p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]) < 3:  # a core, 2 servers
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "minivllm serve started no API servers in 60 s"
+            time.sleep(0.05)
+        children = parent.children(recursive=True)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert not path.exists()
+    for child in children:
+        assert gone(child.pid) or psutil.Process(child.pid).wait(10) is not None

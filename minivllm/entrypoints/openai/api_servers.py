@@ -128,7 +128,9 @@ def serve_api_servers(settings: APIServerSettings, count: int, host: str, port: 
         sock.close()  # the API servers hold it now
         failure = watch(servers, cores, stop)
         stop_all(servers, cores)
-        unclean = [f"{p.name} (exit code {p.exitcode})" for p in servers if p.exitcode != 0]
+        # (an API server still loading when the signal came ends by SIGTERM itself: the stop asked for)
+        unclean = [f"{p.name} (exit code {p.exitcode})" for p in servers
+                   if p.exitcode != 0 and not (stop and p.exitcode == -signal.SIGTERM)]
         return failure or (f"API servers that did not stop cleanly: {', '.join(unclean)}" if unclean else None)
     finally:
         sock.close()
@@ -209,12 +211,13 @@ def run_api_server(settings: APIServerSettings, running: RunningCores, sock: soc
         raise SystemExit(f"minivllm serve: {err}")
     app.add_middleware(NameTheAPIServer, index=running.index)
     server = uvicorn.Server(uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=5))
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: None)  # as in the CLI: uvicorn raises them again once it has stopped
+    stopping: list[int] = []
+    for s in (signal.SIGTERM, signal.SIGINT):  # as in the CLI: uvicorn raises them again once it has stopped
+        signal.signal(s, lambda number, _: stopping.append(number))
     server.run(sockets=[sock])
     if os.getppid() != parent and running.index == 0:  # the parent was killed, so it cannot clean up: its folder
         shutil.rmtree(Path(os.environ[MULTIPROCESS_FOLDER]).parent, ignore_errors=True)
-    if died or not server.started:
+    if died or not (server.started or stopping):  # (a stop asked for while uvicorn started is a clean one)
         raise SystemExit(1)
 
 
