@@ -1,7 +1,7 @@
 """Chapter 17 — disaggregated prefill: the prompt's K/V computed in one instance, decoded in another.
 
     python chapters/17_disaggregated_prefill.py [--lengths 64,256,480] [--repeats 5] [--model SRC] [--device cpu|cuda]
-    python chapters/17_disaggregated_prefill.py --itl [--rounds 3]
+    python chapters/17_disaggregated_prefill.py --itl [--rounds 3] [--model CONFIG --device cuda]
 
 - runs one request through a producer (kv_producer, max_tokens=1) and then a consumer
   (kv_consumer) sharing a folder (SharedStorageConnector), and prints every connector call in
@@ -15,9 +15,11 @@
 With --itl, instead, the lesson online (course/bench/disagg_serving.py, a few minutes): decode
 streams' inter-token latency and TTFT while long prompts keep arriving, served by one engine or
 by a prefill and a decode instance behind `minivllm disagg-proxy` (their blocks crossing through
-files, or over ZMQ), all `minivllm serve` processes of one torch thread on the cheap 2-layer
-model (CPU only: --model and --device do not apply), in turns for --rounds rounds; figure:
-figures/17_itl_over_time.png.
+files, or over ZMQ), in turns for --rounds rounds. On a CPU: `minivllm serve` processes of one
+torch thread on the cheap 2-layer model; figure figures/17_itl_over_time.png. On a GPU
+(--device cuda): all five processes on the one GPU, on --model (a real shape, e.g.
+minivllm/configs/qwen3-0.6b.json: random weights, the same in every process) under a heavier
+workload (ITL_WORKLOADS); figure figures/17_itl_over_time_cuda.png.
 JSON: benchmarks/results/17_disaggregated_prefill_<device>.json; each mode replaces only its own
 sections (--itl: "itl_under_long_prompts") and keeps the other's.
 """
@@ -96,18 +98,29 @@ def timing_table(model, lengths: list[int], repeats: int, folder: str) -> list[d
     return rows
 
 
-def itl_under_long_prompts(rounds: int) -> dict[str, Any]:
-    """The --itl section: disagg_serving.measure on the cheap model, its table and figure."""
-    workload = {"streams": 8, "stream_prompt": 32, "stream_tokens": 128, "long_prompts": 30, "long_prompt": 480,
-                "long_tokens": 8, "interval": 0.3, "first_long": 0.3}
+# The --itl workload per device: on a GPU a step costs milliseconds whatever the model, so the
+# streams are more, longer, and the long prompts longer and closer together.
+ITL_WORKLOADS = {
+    "cpu": {"streams": 8, "stream_prompt": 32, "stream_tokens": 128, "long_prompts": 30, "long_prompt": 480,
+            "long_tokens": 8, "interval": 0.3, "first_long": 0.3},
+    "cuda": {"streams": 32, "stream_prompt": 32, "stream_tokens": 256, "long_prompts": 60, "long_prompt": 1920,
+             "long_tokens": 8, "interval": 0.05, "first_long": 0.1},
+}
+
+
+def itl_under_long_prompts(rounds: int, device: str, dtype: str | None, source: str | None) -> dict[str, Any]:
+    """The --itl section: disagg_serving.measure on `source` (a checkpoint folder or a bare
+    config.json; None: the cheap model), its table and figure."""
+    workload = ITL_WORKLOADS[device]
     with tempfile.TemporaryDirectory(prefix="minivllm-cheap-") as folder:
-        model = write_cheap_model(Path(folder))
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        model = write_cheap_model(Path(folder)) if source is None else Path(source)
+        config = json.loads((model if model.is_file() else model / "config.json").read_text())
         load = list(os.getloadavg())
-        result = disagg_serving.measure(model, vocab, rounds, progress=console.print, **workload)
+        result = disagg_serving.measure(model, config["vocab_size"], rounds, progress=console.print, device=device,
+                                        dtype=dtype, **workload)
     table = Table(title=f"Decode streams while a {workload['long_prompt']}-token prompt arrives every "
-                        f"{workload['interval']:g} s (ms, median of {rounds} rounds; load average {load[0]:.1f}; "
-                        "long prompts and failures: all rounds)")
+                        f"{workload['interval']:g} s (ms, median of {rounds} rounds; {device}; load average "
+                        f"{load[0]:.1f}; long prompts and failures: all rounds)")
     for column in ("setup", "stream ITL p50", "p99", "stream TTFT p50", "p99", "long prompt TTFT p50", "p99",
                    "long prompts", "failed"):
         table.add_column(column, justify="left" if column == "setup" else "right")
@@ -122,16 +135,24 @@ def itl_under_long_prompts(rounds: int) -> dict[str, Any]:
                   f"{result['expected_block_files']} full blocks of the prompts it was sent; prompts with blocks "
                   f"not saved: {result['prompts_with_unsaved_blocks']}; failed in the warm-up: "
                   f"{result['warm_up_failed']}")
+    what = "cheap model, CPU" if source is None else f"{Path(source).stem}, {device}"
     figure = plot_itl_over_time({name: s["median_round"] for name, s in result["setups"].items()},
                                 f"Decode streams' inter-token gaps, a {workload['long_prompt']}-token prompt every "
-                                f"{workload['interval']:g} s (cheap model, CPU, the median round)")
-    console.print(f"saved {save(figure, '17_itl_over_time')}")
-    return dict(environment=environment(), device="cpu", dtype="float32", threads_per_instance=1,
-                model={"shape": CHEAP_SHAPE, "tokenizer": "the embedded model's", "weights": "random (seed 0)"},
+                                f"{workload['interval']:g} s ({what}, the median round)")
+    console.print(f"saved {save(figure, '17_itl_over_time' + ('' if device == 'cpu' else f'_{device}'))}")
+    shape = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                     "num_key_value_heads", "head_dim", "vocab_size") if k in config}
+    model_facts = ({"shape": CHEAP_SHAPE, "tokenizer": "the embedded model's", "weights": "random (seed 0)"}
+                   if source is None else {"source": str(source), "shape": shape,
+                                           "weights": "random" if Path(source).is_file() else "the checkpoint's"})
+    return dict(environment=environment(), device=device, dtype=dtype or ("float32" if device == "cpu" else "bfloat16"),
+                threads_per_instance=1 if device == "cpu" else torch.get_num_threads(), model=model_facts,
                 engine=ENGINE | {"block_size": disagg_serving.BLOCK_SIZE, "enable_prefix_caching": False},
                 workload=workload, rounds=rounds, created=time.strftime("%Y-%m-%d %H:%M:%S"),
                 load_average_at_start=load, load_average_at_end=list(os.getloadavg()),
-                command=f"python chapters/17_disaggregated_prefill.py --itl --rounds {rounds}", **result)
+                command="python chapters/17_disaggregated_prefill.py --itl " + " ".join(
+                    [f"--rounds {rounds}", f"--device {device}", *([f"--model {source}"] if source else []),
+                     *([f"--dtype {dtype}"] if dtype else [])]), **result)
 
 
 def main() -> None:
@@ -144,9 +165,13 @@ def main() -> None:
     if args.itl:
         if args.rounds < 1:
             parser.error("--rounds must be at least 1")
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.model is not None and not Path(args.model).exists():
+            parser.error(f"--itl: --model must be a checkpoint folder or a config.json here, got {args.model!r}")
         start = time.perf_counter()
-        path = save_results("17_disaggregated_prefill_cpu", kept_sections("17_disaggregated_prefill_cpu") | {
-            "itl_under_long_prompts": itl_under_long_prompts(args.rounds)})
+        name = f"17_disaggregated_prefill_{device}"
+        path = save_results(name, kept_sections(name) | {
+            "itl_under_long_prompts": itl_under_long_prompts(args.rounds, device, args.dtype, args.model)})
         console.print(f"saved {path} ({time.perf_counter() - start:.0f} s)")
         return
     try:

@@ -9,6 +9,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.course.bench import disagg_serving
@@ -105,6 +106,20 @@ def test_the_figures_round_is_the_median_one_and_medians_are_per_percentile():
     assert figure.axes[0].collections[0].get_offsets().tolist() == [[0.02, 20.0]]  # (seconds, ms) of its one gap
     with pytest.raises(ValueError):
         plot_itl_over_time({})
+
+
+@pytest.mark.parametrize("where", [{"device": "gpu"}, {"device": "cuda", "dtype": "bf16"}, {"dtype": torch.float32}])
+def test_measure_refuses_a_device_or_dtype_serve_would_not_take(tmp_path, where):
+    with pytest.raises(ValueError, match="device must be"):
+        measure(tmp_path, 100, **where)
+
+
+def test_each_instance_serves_on_the_device_and_dtype_asked():
+    command = disagg_serving.serve_command("m", 8100, "cuda", "bfloat16", "--kv-transfer-config", "{}")
+    assert command[command.index("--device") + 1] == "cuda" and command[command.index("--dtype") + 1] == "bfloat16"
+    assert "--threads" not in command  # a GPU instance keeps torch's threads; a CPU one gets one
+    command = disagg_serving.serve_command("m", 8100, "cpu", None)
+    assert command[command.index("--threads") + 1] == "1" and "--dtype" not in command
 
 
 @pytest.mark.slow

@@ -8,9 +8,11 @@ a few tokens. In one engine each long prefill runs in a step beside the decodes,
 time is a gap in every stream (chapter 5's stall). Disaggregated, the prefill runs in the other
 instance; the decode instance loads the prompt's blocks and computes only its last tokens.
 
-The servers are `minivllm serve` processes on the cheap 2-layer model (split_serving.CHEAP_SHAPE,
-one torch thread each: a decode step costs a few milliseconds, as on a GPU), prefix caching
-off: one plain engine; and twice a producer, a consumer and the proxy in front of them, the
+The servers are `minivllm serve` processes, prefix caching off. On a CPU they run the cheap
+2-layer model (split_serving.CHEAP_SHAPE, one torch thread each: a decode step costs a few
+milliseconds, as on a GPU); on a GPU, a real shape (a bare config.json: every process draws the
+same random weights, so the blocks one computes are the ones the other would have). They are: one
+plain engine; and twice a producer, a consumer and the proxy in front of them, the
 blocks crossing once through files (SharedStorageConnector), once over ZMQ (ZmqConnector).
 This process is the client: it sends every request as a stream at its planned time
 (load.stream_completion) and takes each chunk's arrival time. TTFT and ITL are latency.py's, as
@@ -212,8 +214,10 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def serve_command(model: Path, port: int, *extra: str) -> list[str]:
-    return ["serve", "--model", str(model), "--served-model-name", MODEL_NAME, "--port", str(port), "--threads", "1",
+def serve_command(model: Path, port: int, device: str, dtype: str | None, *extra: str) -> list[str]:
+    """`minivllm serve` of one instance; on a CPU, one torch thread (the instances share the cores)."""
+    placement = ["--device", device, *(["--dtype", dtype] if dtype else []), *(["--threads", "1"] if device == "cpu" else [])]
+    return ["serve", "--model", str(model), "--served-model-name", MODEL_NAME, "--port", str(port), *placement,
             "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
             "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--no-enable-prefix-caching", *extra]
 
@@ -221,20 +225,22 @@ def serve_command(model: Path, port: int, *extra: str) -> list[str]:
 SETUPS = ("one engine", "disaggregated, files", "disaggregated, ZMQ")
 
 
-def all_setups(model: Path, folder: Path) -> tuple[list[tuple[str, list[str], str]], dict[str, str]]:
+def all_setups(model: Path, folder: Path, device: str = "cpu",
+               dtype: str | None = None) -> tuple[list[tuple[str, list[str], str]], dict[str, str]]:
     """The servers of every setup (for `running`) and the url each setup (SETUPS) is sent to:
     one `minivllm serve`; and twice a producer and a consumer with `minivllm disagg-proxy` in
     front of them (up once the consumer is: it answers /v1/models by asking it), their blocks
     crossing through files in `folder` (SharedStorageConnector) or over ZMQ (ZmqConnector)."""
     local = "http://127.0.0.1:{}".format
     engine = free_port()
-    servers = [("the engine", serve_command(model, engine), local(engine) + "/health")]
+    servers = [("the engine", serve_command(model, engine, device, dtype), local(engine) + "/health")]
     urls = {SETUPS[0]: local(engine)}
     for setup, connector in zip(SETUPS[1:], ("SharedStorageConnector", "ZmqConnector")):
         prefill, decode, proxy = free_port(), free_port(), free_port()
         where = folder if connector == "SharedStorageConnector" else free_port()
         for port, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
-            command = serve_command(model, port, "--kv-transfer-config", transfer_json(connector, role, where))
+            command = serve_command(model, port, device, dtype, "--kv-transfer-config",
+                                    transfer_json(connector, role, where))
             servers.append((f"{setup}: the {role}", command, local(port) + "/health"))
         servers.append((f"{setup}: the proxy", ["disagg-proxy", "--prefill", local(prefill), "--decode",
                                                 local(decode), "--port", str(proxy)], local(proxy) + "/v1/models"))
@@ -242,9 +248,10 @@ def all_setups(model: Path, folder: Path) -> tuple[list[tuple[str, list[str], st
     return servers, urls
 
 
-def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progress=print,
-            **workload: Any) -> dict[str, Any]:
-    """Every setup (SETUPS) on the same requests, in turns round by round (the order rotating:
+def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progress=print, device: str = "cpu",
+            dtype: str | None = None, **workload: Any) -> dict[str, Any]:
+    """Every setup (SETUPS) on the same requests, every instance on `device` ("cpu" or "cuda",
+    in `dtype`: None is the device's default; on a GPU all five processes share it), in turns round by round (the order rotating:
     the machine is shared), each round on fresh prompts (seed + round). Servers start once and
     stay up. Returns per setup: every round's summary and load average, the median over rounds of
     each percentile, and the timelines of the round whose stream ITL p99 is the median; and the
@@ -253,12 +260,15 @@ def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progre
     computed those)."""
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an integer of at least 1, got {rounds!r}")
+    if device not in ("cpu", "cuda") or dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' and dtype None, 'float32', 'bfloat16' or 'float16', "
+                         f"got {device!r} and {dtype!r}")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
     small = {"streams": 2, "stream_tokens": 8, "long_prompts": 2, "first_long": 0.0, "interval": 0.0}
     warm = long_prompt_arrivals(vocab_size, **(workload | small), seed=seed + rounds)  # a seed no round uses
     sent: list[Planned] = []  # what the producer was sent
     with tempfile.TemporaryDirectory(prefix="minivllm-kv-") as folder:
-        servers, urls = all_setups(model, Path(folder))
+        servers, urls = all_setups(model, Path(folder), device, dtype)
         with running(servers):
             warm_up_failed = 0
             for name, url in urls.items():  # first requests pay one-time costs: not measured
