@@ -27,14 +27,9 @@ import itertools
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +38,7 @@ import httpx
 
 from minivllm.course.bench.latency import percentiles
 from minivllm.course.bench.load import RequestResult, run_fast, stream_completion
-from minivllm.course.bench.split_serving import ENGINE, START_TIMEOUT, free_port
+from minivllm.course.bench.split_serving import ENGINE, free_port, running
 from minivllm.kv_transfer.base import prefix_keys
 
 BLOCK_SIZE = 16
@@ -168,50 +163,6 @@ def transfer_json(connector: str, role: str, where: Path | int) -> str:
     extra = ({"shared_storage_path": str(where)} if connector == "SharedStorageConnector"
              else {"kv_host": "127.0.0.1", "kv_port": where})
     return json.dumps({"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra})
-
-
-@contextmanager
-def running(servers: list[tuple[str, list[str], str]]) -> Iterator[None]:
-    """Processes of ours that serve on 127.0.0.1, each (name, `minivllm` arguments, a url that
-    answers GET with 200 once it is up), started all at once (a server takes seconds to start on a
-    loaded machine), each given START_TIMEOUT s from when the previous one was up. Yields once
-    every one is up; stops them all on the way out (SIGTERM, kill after 30 s). Their stderr goes
-    to a temporary file, quoted if one exits early."""
-    with ExitStack() as stack:
-        started = []
-        for name, arguments, ready in servers:
-            log = stack.enter_context(tempfile.TemporaryFile("w+"))
-            process = subprocess.Popen([sys.executable, "-m", "minivllm.entrypoints.cli", *arguments],
-                                       stdout=subprocess.DEVNULL, stderr=log, text=True)
-            stack.callback(stop, process)
-            started.append((name, process, ready, log))
-        for name, process, ready, log in started:  # each may take START_TIMEOUT more: they start side by side
-            deadline = time.monotonic() + START_TIMEOUT
-            while not answers(ready):
-                if process.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"{name} exited: {log.read()[-2000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start within {START_TIMEOUT:g} s")
-                time.sleep(0.2)
-        yield
-
-
-def answers(url: str) -> bool:
-    try:
-        return httpx.get(url, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def serve_command(model: Path, port: int, device: str, dtype: str | None, *extra: str) -> list[str]:

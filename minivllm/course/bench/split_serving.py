@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,36 +102,59 @@ def free_port() -> int:
 
 
 @contextmanager
-def cli_server(model: Path, engine_core: str, threads: int = 1) -> Iterator[str]:
-    """`minivllm serve` in its own process on 127.0.0.1; yields its url, then stops it (SIGTERM,
-    then kill after 30 s)."""
-    port = free_port()
-    command = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--model", str(model), "--port", str(port),
-               "--threads", str(threads), "--engine-core", engine_core, "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-               "--num-kv-blocks", str(ENGINE["num_kv_blocks"]), "--max-waiting", "4096"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the {engine_core} server exited: {server.stderr.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the {engine_core} server did not start within {START_TIMEOUT:g} s")
-            try:
-                if httpx.get(f"{url}/health", trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
+def running(servers: list[tuple[str, list[str], str]]) -> Iterator[None]:
+    """Processes of ours that serve on 127.0.0.1, each (name, `minivllm` arguments, a url that
+    answers GET with 200 once it is up), started all at once (a server takes seconds to start on a
+    loaded machine), each given START_TIMEOUT s from when the previous one was up. Yields once
+    every one is up; stops them all on the way out (SIGTERM, kill after 30 s). Their stderr goes
+    to a temporary file, quoted if one exits early."""
+    with ExitStack() as stack:
+        started = []
+        for name, arguments, ready in servers:
+            log = stack.enter_context(tempfile.TemporaryFile("w+"))
+            process = subprocess.Popen([sys.executable, "-m", "minivllm.entrypoints.cli", *arguments],
+                                       stdout=subprocess.DEVNULL, stderr=log, text=True)
+            stack.callback(stop, process)
+            started.append((name, process, ready, log))
+        for name, process, ready, log in started:  # each may take START_TIMEOUT more: they start side by side
+            deadline = time.monotonic() + START_TIMEOUT
+            while not answers(ready):
+                if process.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"{name} exited: {log.read()[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not start within {START_TIMEOUT:g} s")
                 time.sleep(0.2)
+        yield
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def cli_server(model: Path, engine_core: str, threads: int = 1) -> Iterator[str]:
+    """`minivllm serve` in its own process on 127.0.0.1; yields its url, then stops it (`running`)."""
+    port = free_port()
+    command = ["serve", "--model", str(model), "--port", str(port), "--threads", str(threads), "--engine-core",
+               engine_core, "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--num-kv-blocks", str(ENGINE["num_kv_blocks"]),
+               "--max-waiting", "4096"]
+    url = f"http://127.0.0.1:{port}"
+    with running([(f"the {engine_core} server", command, f"{url}/health")]):
         yield url
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
 
 
 def load_generator(urls: Sequence[str], labels: Sequence[str], users: Sequence[int], results: str, figure: str,
