@@ -32,7 +32,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frontend_cpu import cpu_seconds, healthy, stop  # a script beside this one
+from frontend_cpu import cpu_seconds, healthy  # a script beside this one
 
 from minivllm.course.bench.harness import save_results
 from minivllm.course.bench.load import run_level
@@ -40,6 +40,7 @@ from minivllm.course.bench.split_serving import (
     CHEAP_SHAPE,
     ENGINE,
     free_port,
+    stop,
     write_cheap_model,
 )
 from minivllm.course.bench.workloads import make_workload

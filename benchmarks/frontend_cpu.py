@@ -46,6 +46,7 @@ from minivllm.course.bench.split_serving import (
     ENGINE,
     START_TIMEOUT,
     free_port,
+    stop,
     write_cheap_model,
 )
 from minivllm.course.bench.workloads import make_workload
@@ -93,15 +94,6 @@ def healthy(server: subprocess.Popen, url: str) -> str:
                 return url
         except httpx.HTTPError:
             time.sleep(0.2)
-
-
-def stop(server: subprocess.Popen) -> None:
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(60)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
 
 
 def cpu_seconds(process: psutil.Process) -> float:

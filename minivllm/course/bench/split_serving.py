@@ -106,7 +106,7 @@ def running(servers: list[tuple[str, list[str], str]]) -> Iterator[None]:
     """Processes of ours that serve on 127.0.0.1, each (name, `minivllm` arguments, a url that
     answers GET with 200 once it is up), started all at once (a server takes seconds to start on a
     loaded machine), each given START_TIMEOUT s from when the previous one was up. Yields once
-    every one is up; stops them all on the way out (SIGTERM, kill after 30 s). Their stderr goes
+    every one is up; stops them all on the way out (`stop`). Their stderr goes
     to a temporary file, quoted if one exits early."""
     with ExitStack() as stack:
         started = []
@@ -136,10 +136,12 @@ def answers(url: str) -> bool:
 
 
 def stop(process: subprocess.Popen) -> None:
+    """SIGTERM, then kill if it still runs after 60 s (a server with several API servers stops its
+    children one group at a time, up to 15 s each)."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(30)
+            process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
