@@ -1,6 +1,7 @@
 """What one streamed token costs the server's frontend process, in CPU time (issue 48).
 
     python benchmarks/frontend_cpu.py [--users 128] [--rounds 3] [--compare DIR] [--hide MODULE ...] [--profile]
+    python benchmarks/frontend_cpu.py --split 8,128 [--users 128] [--rounds 3]
 
 A GPU steps a batch of 128 in milliseconds; then the frontend (HTTP, detokenizing, JSON, one
 server-sent event per token) is what limits a server, and its CPU time per streamed token says
@@ -19,6 +20,11 @@ to h11 and asyncio's own loop). --profile adds one run of this checkout's fronte
 sampled by py-spy (pip install py-spy) over the measured requests only, and keeps the functions
 with the largest share of the frontend's busy samples, their own and with what they call.
 Writes benchmarks/results/48_frontend_cpu.json.
+
+--split SHORT,LONG asks what of that cost is per request and what per token: the chat workload's
+prompts, every request asking for SHORT tokens, then every one for LONG (in turns, round by
+round); the frontend's CPU seconds then fit cpu = requests x per_request + tokens x per_token
+(two lengths, two unknowns, from the medians). Writes benchmarks/results/48_frontend_cpu_split.json.
 """
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ from minivllm.course.bench.split_serving import (
     stop,
     write_cheap_model,
 )
-from minivllm.course.bench.workloads import make_workload
+from minivllm.course.bench.workloads import Workload, make_workload
 from minivllm.machine import environment
 
 HERE = Path(__file__).resolve().parents[1]  # this checkout
@@ -102,8 +108,9 @@ def cpu_seconds(process: psutil.Process) -> float:
 
 
 def measure(model: Path, code: Path, users: int, seed: int, profile: Path | None = None,
-            hidden: str = "") -> dict[str, Any]:
-    """One server from `code` under `users` streams: CPU per token of its frontend and its core."""
+            hidden: str = "", output_len: int | None = None) -> dict[str, Any]:
+    """One server from `code` under `users` streams: CPU per token of its frontend and its core.
+    output_len: every request asks for that many tokens (None: the chat workload's lengths)."""
     server, url = start_server(model, code, hidden)
     try:
         frontend = psutil.Process(server.pid)
@@ -112,6 +119,8 @@ def measure(model: Path, code: Path, users: int, seed: int, profile: Path | None
         warm = make_workload("chat", vocab, seed=seed + 1, num_requests=users)
         asyncio.run(run_level(url, name, warm, concurrency=users, timeout=120, deadline=300))  # first-call costs
         work = make_workload("chat", vocab, seed=seed, num_requests=2 * users)
+        if output_len is not None:
+            work = Workload(work.name, work.prompts, [output_len] * len(work.prompts))
         cores = frontend.children()
         spy = None if profile is None else subprocess.Popen(
             ["py-spy", "record", "--pid", str(server.pid), "--rate", "250", "--format", "raw", "--output", str(profile)],
@@ -127,9 +136,29 @@ def measure(model: Path, code: Path, users: int, seed: int, profile: Path | None
     tokens = sum(r.output_tokens for r in results)
     failed = sum(not r.ok for r in results)
     chunks = sum(len(r.token_times) for r in results)  # fewer than tokens where coalescing merged steps
-    return {"code": str(code), "tokens": tokens, "failed": failed, "seconds": seconds, "tok_per_s": tokens / seconds,
+    return {"code": str(code), "requests": len(results), "tokens": tokens, "failed": failed,
+            "frontend_cpu_seconds": after[0] - before[0], "seconds": seconds, "tok_per_s": tokens / seconds,
             "chunks_per_token": chunks / tokens, "frontend_us_per_token": 1e6 * (after[0] - before[0]) / tokens,
             "core_us_per_token": 1e6 * (after[1] - before[1]) / tokens, "load_average": os.getloadavg()}
+
+
+def split(model: Path, users: int, rounds: int, seed: int, lengths: tuple[int, int]) -> dict[str, Any]:
+    """--split: the same requests asking for lengths[0] and then lengths[1] tokens each, in turns;
+    the frontend's CPU per request and per token from the medians (cpu = a x requests + b x tokens)."""
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in lengths}
+    for round_ in range(rounds):
+        for n in (lengths if round_ % 2 == 0 else lengths[::-1]):
+            run = measure(model, HERE, users, seed, output_len=n)
+            runs[n].append(run)
+            print(f"round {round_}, {n} tokens a request: frontend {run['frontend_us_per_token']:.1f} us/token "
+                  f"({run['frontend_cpu_seconds']:.2f} s for {run['requests']} requests), load {run['load_average'][0]:.1f}")
+    short, long = ({key: statistics.median(r[key] for r in runs[n]) for key in ("frontend_cpu_seconds", "requests", "tokens")}
+                   for n in lengths)
+    per_token = (long["frontend_cpu_seconds"] - short["frontend_cpu_seconds"]) / (long["tokens"] - short["tokens"])
+    per_request = (short["frontend_cpu_seconds"] - per_token * short["tokens"]) / short["requests"]
+    print(f"frontend: {1e6 * per_token:.1f} us per streamed token, {1e3 * per_request:.2f} ms per request")
+    return {"lengths": list(lengths), "runs": {str(n): rs for n, rs in runs.items()},
+            "frontend_us_per_token": 1e6 * per_token, "frontend_ms_per_request": 1e3 * per_request}
 
 
 def profile_summary(path: Path, top: int = 30) -> dict[str, Any]:
@@ -161,10 +190,35 @@ def main() -> None:
     parser.add_argument("--hide", nargs="+", default=[], metavar="MODULE",
                         help="run the compare side (this checkout if no --compare) without these modules")
     parser.add_argument("--profile", action="store_true", help="one more run of this checkout, sampled by py-spy")
-    parser.add_argument("--results", default="48_frontend_cpu")
+    parser.add_argument("--split", default=None, metavar="SHORT,LONG",
+                        help="CPU per request and per token, from requests of SHORT and of LONG tokens")
+    parser.add_argument("--results", default=None, help="default: 48_frontend_cpu (with --split: 48_frontend_cpu_split)")
     args = parser.parse_args()
     if any(not name.isidentifier() for name in args.hide):
         parser.error(f"--hide takes module names, got {args.hide}")
+    if args.users < 1 or args.rounds < 1:
+        parser.error("--users and --rounds must be at least 1")
+    if args.split is not None:
+        try:
+            lengths = tuple(int(n) for n in args.split.split(","))
+        except ValueError:
+            parser.error(f"--split: two comma-separated token counts, got {args.split!r}")
+        if len(lengths) != 2 or not 1 <= lengths[0] < lengths[1]:
+            parser.error(f"--split: SHORT,LONG with 1 <= SHORT < LONG, got {args.split!r}")
+        if args.compare or args.hide or args.profile:
+            parser.error("--split measures this checkout alone: not with --compare, --hide or --profile")
+        folder = Path(tempfile.mkdtemp(prefix="minivllm-cheap-"))
+        try:
+            found = split(write_cheap_model(folder / "model"), args.users, args.rounds, args.seed, lengths)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        save_results(args.results or "48_frontend_cpu_split", {
+            "machine": environment() | {"cpu_count": os.cpu_count()},
+            "model": {"shape": CHEAP_SHAPE, "tokenizer": "the embedded model's"}, "engine": ENGINE,
+            "workload": f"chat prompts, {lengths[0]} or {lengths[1]} tokens a request", "streams": args.users,
+            "requests_per_run": 2 * args.users, **found,
+            "command": " ".join(["python", "benchmarks/frontend_cpu.py"] + sys.argv[1:])})
+        return
     codes = {"this": HERE}
     if args.compare or args.hide:
         codes["compare"] = args.compare.resolve() if args.compare else HERE
@@ -199,7 +253,7 @@ def main() -> None:
                "codes": {name: str(path) for name, path in codes.items()},
                "hidden_on_compare_side": args.hide, "medians": medians, "runs": runs,
                "profile": profile, "command": " ".join(["python", "benchmarks/frontend_cpu.py"] + sys.argv[1:])}
-    save_results(args.results, payload)
+    save_results(args.results or "48_frontend_cpu", payload)
 
 
 if __name__ == "__main__":
