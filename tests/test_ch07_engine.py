@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import time
 
+import numpy as np
 import pytest
 from tiny_models import raises_runtime_error, random_prompts
 
@@ -165,6 +166,9 @@ BAD_PROMPTS = {
     "empty": [],
     "negative id": [3, -1, 4],
     "id == vocab size": [3, 97, 4],
+    "a bool id": [3, True, 4],  # an int to Python, not a token id
+    "a float id": [3, 4.0],
+    "a string id": [3, "4"],
     "longer than max_model_len": list(range(32)),
     "never fits in the pool": [1] * 20,  # up to 31 cached tokens: 8 four-token blocks, the pool has 6
 }
@@ -181,6 +185,19 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(qwen3, reference, bad
     assert llm.engine.core.block_manager.num_free == 6
     out = llm.generate(good, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference(hf_model, good, 5)
+
+
+def test_token_ids_of_any_integer_type_give_the_same_tokens(qwen3, reference):
+    """Plain ints take the fast check (by type); numpy's integers, a tuple, the slow one (numbers.Integral)."""
+    model, hf_model = qwen3
+    llm = LLM(model, block_size=4, num_kv_blocks=16, max_model_len=32)
+    good, params = PROMPTS[0], SamplingParams(max_tokens=5, temperature=0)
+    expected = reference(hf_model, good, 5)
+    for prompt in (good, tuple(good), list(np.array(good, dtype=np.int64)), [np.int32(good[0]), *good[1:]]):
+        out = llm.generate({"prompt_token_ids": prompt} if isinstance(prompt, tuple) else prompt, params,
+                           use_tqdm=False)[0]
+        assert out.prompt_token_ids == good and all(type(t) is int for t in out.prompt_token_ids)
+        assert out.outputs[0].token_ids == expected
 
 
 def test_bad_engine_settings(qwen3):

@@ -76,16 +76,23 @@ class InputProcessor:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, list | tuple):
-            for i, t in enumerate(prompt):
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                    raise ValueError(f"token ids must be integers, got {t!r} ({type(t).__name__}) at position {i}")
-            text, token_ids = None, [int(t) for t in prompt]
+            # Plain ints (what JSON gives) are checked by type at a few tens of ns each; anything else
+            # (a numpy integer, a bool, a float) goes through numbers.Integral, an ABC check ~20x
+            # slower: for a server, ~1 µs a token id on the event loop (measured on this course's CPU).
+            if all(type(t) is int for t in prompt):
+                token_ids = list(prompt)
+            else:
+                for i, t in enumerate(prompt):
+                    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                        raise ValueError(f"token ids must be integers, got {t!r} ({type(t).__name__}) at position {i}")
+                token_ids = [int(t) for t in prompt]
+            text = None
         else:
             raise ValueError(f"a prompt is a string, a list of token ids, or a dict with 'prompt' or "
                              f"'prompt_token_ids', got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("empty prompt: a request needs at least one token")
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room to generate within "

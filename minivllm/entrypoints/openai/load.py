@@ -46,13 +46,18 @@ class ServerLoad:
             self.count -= 1
             raise
         if isinstance(answer, StreamingResponse):
-            answer.background = BackgroundTask(self.release)
+            answer.background = BackgroundTask(self.released)
         else:
             self.release()
         return answer
 
     def release(self) -> None:
         self.count -= 1
+
+    async def released(self) -> None:
+        """release() as a coroutine: Starlette awaits it on the loop, where it would run a plain
+        function in its thread pool (a thread hop per streamed answer for one subtraction)."""
+        self.release()
 
 
 def orca_header(metrics: ServerMetrics, wanted: str | None) -> dict[str, str]:
