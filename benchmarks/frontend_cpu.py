@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +49,9 @@ from minivllm.course.bench.load import run_level
 from minivllm.course.bench.split_serving import (
     CHEAP_SHAPE,
     ENGINE,
-    START_TIMEOUT,
     free_port,
     stop,
+    wait_until_up,
     write_cheap_model,
 )
 from minivllm.course.bench.workloads import Workload, make_workload
@@ -88,18 +87,12 @@ def start_server(model: Path, code: Path, hidden: str = "") -> tuple[subprocess.
 def healthy(server: subprocess.Popen, url: str) -> str:
     """`url` once the server there answers /health with 200; a RuntimeError (and the server stopped)
     if it exits first or takes longer than START_TIMEOUT."""
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited: {server.stderr.read()[-2000:]}")
-        if time.monotonic() > deadline:
-            stop(server)
-            raise RuntimeError(f"the server did not start within {START_TIMEOUT:g} s")
-        try:
-            if httpx.get(f"{url}/health", trust_env=False, timeout=5).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    try:
+        wait_until_up("the server", server, f"{url}/health", server.stderr.read)
+    except RuntimeError:
+        stop(server)
+        raise
+    return url
 
 
 def cpu_seconds(process: psutil.Process) -> float:

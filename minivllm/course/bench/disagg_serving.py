@@ -202,8 +202,9 @@ def all_setups(model: Path, folder: Path, device: str = "cpu",
 def measure(model: Path, vocab_size: int, rounds: int = 3, seed: int = 0, progress=print, device: str = "cpu",
             dtype: str | None = None, **workload: Any) -> dict[str, Any]:
     """Every setup (SETUPS) on the same requests, every instance on `device` ("cpu" or "cuda",
-    in `dtype`: None is the device's default; on a GPU all five processes share it), in turns round by round (the order rotating:
-    the machine is shared), each round on fresh prompts (seed + round). Servers start once and
+    in `dtype`: None is the device's default; on a GPU all five processes share it), in turns
+    round by round (the order rotating: the machine is shared), each round on fresh prompts
+    (seed + round). Servers start once and
     stay up. Returns per setup: every round's summary and load average, the median over rounds of
     each percentile, and the timelines of the round whose stream ITL p99 is the median; and the
     block files the files setup's producer wrote against the full blocks of every prompt it was

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -117,15 +117,20 @@ def running(servers: list[tuple[str, list[str], str]]) -> Iterator[None]:
             stack.callback(stop, process)
             started.append((name, process, ready, log))
         for name, process, ready, log in started:  # each may take START_TIMEOUT more: they start side by side
-            deadline = time.monotonic() + START_TIMEOUT
-            while not answers(ready):
-                if process.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"{name} exited: {log.read()[-2000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start within {START_TIMEOUT:g} s")
-                time.sleep(0.2)
+            wait_until_up(name, process, ready, lambda log=log: log.seek(0) or log.read())
         yield
+
+
+def wait_until_up(name: str, process: subprocess.Popen, ready: str, output: Callable[[], str]) -> None:
+    """Return once `ready` answers GET with 200; a RuntimeError if `process` (the server called
+    `name`) exits first, quoting the end of `output()`, or if START_TIMEOUT s pass."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while not answers(ready):
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited: {output()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not start within {START_TIMEOUT:g} s")
+        time.sleep(0.2)
 
 
 def answers(url: str) -> bool:

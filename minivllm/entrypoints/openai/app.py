@@ -30,8 +30,8 @@ has the same body.
 Issue 36: prompts are tokenized in a worker thread (`asyncio.to_thread`): a 2 MB prompt takes
 seconds to tokenize, and on the event loop those seconds would stall every other request and
 /health. Prompts given as a few token ids (at most INLINE_TOKEN_IDS, nothing to tokenize) are
-checked on the loop instead: the hop to a thread and back costs more than checking them. Bodies above `max_request_bytes` are refused with 413 before they are read
-(body_limit.py).
+checked on the loop instead: the hop to a thread and back costs more than checking them. Bodies
+above `max_request_bytes` are refused with 413 before they are read (body_limit.py).
 """
 from __future__ import annotations
 
